@@ -1,0 +1,89 @@
+"""Engine configuration: one dataclass, validated when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+          "half": torch.float16, "float": torch.float32}
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start, with vLLM's names and meanings.
+
+    Attributes:
+        model: a local Hugging Face folder, or ``smollm2-135m-instruct`` (the embedded default).
+        dtype: ``"auto"`` (float32 on CPU, the checkpoint's dtype on GPU), a name such as
+            ``"bfloat16"``, or a ``torch.dtype``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when available.
+        block_size: tokens per KV block.
+        num_kv_blocks: the KV pool's size in blocks (overrides the two below).
+        kv_cache_memory_bytes: the KV pool's size in bytes.
+        gpu_memory_utilization: the fraction of device memory this engine owns in all (weights,
+            KV pool, buffers); the KV pool gets what the rest leaves. Default 0.9 on CUDA.
+            On CPU the pool defaults to 1 GiB.
+        max_num_seqs: most sequences in one step.
+        max_num_batched_tokens: most tokens computed in one step (the chunked-prefill budget).
+        max_model_len: longest sequence (prompt plus completion); default the model's.
+        enable_prefix_caching: reuse the KV of repeated prompt prefixes.
+        seed: seed of the generator for requests without their own seed.
+    """
+
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        _positive_or_none(self, "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len")
+        utilization = self.gpu_memory_utilization
+        if utilization is not None and not 0.0 < utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={utilization} is invalid: it must be in "
+                             "(0, 1].")
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
+                             f"{', '.join(DTYPES)}.")
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device to run on (CUDA when available and none was named)."""
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
+        """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
+        if isinstance(self.dtype, torch.dtype):
+            return self.dtype
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if self.torch_device.type == "cpu":
+            return torch.float32
+        return checkpoint_dtype or torch.bfloat16
+
+
+def _positive(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
+
+
+def _positive_or_none(config: EngineConfig, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) is not None:
+            _positive(config, name)

@@ -1,0 +1,227 @@
+"""``LLMEngine``: requests in, one scheduled step at a time, finished outputs out.
+
+The server's loop and the trainers drive it directly; ``LLM.generate`` drives it to
+completion.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from .block_manager import BlockManager, num_blocks_for
+from .config import CPU_KV_CACHE_BYTES, EngineConfig
+from .default_model import resolve_model
+from .model_runner import ModelRunner, kv_block_bytes
+from .models import architecture_of
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, child_seed
+
+
+class LLMEngine:
+    """The engine core: a scheduler, a block manager and a model runner over one KV pool.
+
+    Raises:
+        ValueError: at start, for an unsupported architecture (listing the supported ones), a
+            max_model_len beyond the model's, or a KV budget too small for one max-length
+            sequence (naming the options that fix it).
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = resolve_model(config.model)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        architecture_of(hf_config)
+        self.tokenizer = _load_tokenizer(model_dir)
+        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.max_model_len = _max_model_len(config, hf_config)
+        device = config.torch_device
+        dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
+        self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
+                                  config.block_size, self.eos_token_ids, config.seed)
+        num_blocks = self._num_kv_blocks(hf_config, dtype)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
+                                                self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.weight_version = 0
+        self._seq_ids = itertools.count()
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt given as text or as ids.
+
+        Raises:
+            ValueError: for text without a tokenizer, or ids outside the vocabulary.
+        """
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass prompts as token ids.")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab_size = self.runner.model.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}).")
+        return list(prompt)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError when a prompt is empty or longer than the model or the KV pool."""
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token.")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_tokens} tokens, more than max_model_len="
+                             f"{self.max_model_len} allows (the prompt plus at least one new "
+                             "token must fit): shorten it or raise max_model_len.")
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_tokens >= pool_tokens:
+            raise ValueError(f"the prompt has {num_tokens} tokens, more than the KV pool holds "
+                             f"({pool_tokens}): raise num_kv_blocks or kv_cache_memory_bytes.")
+
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    sampling_params: SamplingParams) -> None:
+        """Validate a prompt and queue its ``n`` sequences.
+
+        Raises:
+            ValueError: for a duplicate request id or a prompt ``check_prompt`` refuses; nothing
+                is queued then.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use.")
+        prompt_token_ids = self.tokenize(prompt)
+        self.check_prompt(prompt_token_ids)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None,
+                          prompt_token_ids, sampling_params)
+        for index in range(sampling_params.n):
+            seed = None if sampling_params.seed is None else child_seed(sampling_params.seed,
+                                                                         index)
+            request.seqs.append(Sequence(
+                seq_id=next(self._seq_ids), request_id=request_id, index=index,
+                token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
+                sampling_params=sampling_params, seed=seed))
+        self.requests[request_id] = request
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of the requests it finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampler_output = self.runner.execute(batch)
+        sampled = self.scheduler.update(batch, sampler_output.token_ids, self.weight_version)
+        finished: list[RequestOutput] = []
+        for row, seq in enumerate(sampled):
+            seq.logprobs.append(sampler_output.logprobs[row])
+            if sampler_output.top_logprobs[row] is not None:
+                seq.top_logprobs.append(sampler_output.top_logprobs[row])
+            finish_reason = self.output_processor.check_stop(seq)
+            if finish_reason is not None:
+                self._finish(seq, finish_reason)
+                finished += self._pop_if_finished(seq.request_id)
+        return finished
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else []:
+            if not seq.is_finished:
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued or running."""
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        """KV pool use, queue lengths and the weight version."""
+        return {
+            "kv_blocks_total": self.block_manager.num_blocks,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "weight_version": self.weight_version,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+
+    def _finish(self, seq: Sequence, finish_reason: str) -> None:
+        self.scheduler.finish(seq, finish_reason)
+        self.runner.sampler.release(seq.seq_id)
+
+    def _pop_if_finished(self, request_id: str) -> list[RequestOutput]:
+        request = self.requests[request_id]
+        if not request.is_finished:
+            return []
+        del self.requests[request_id]
+        return [self.output_processor.make_output(request, self.weight_version)]
+
+    def _num_kv_blocks(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> int:
+        config = self.config
+        block_bytes = kv_block_bytes(hf_config, config.block_size, dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        elif config.kv_cache_memory_bytes is not None:
+            num_blocks = config.kv_cache_memory_bytes // block_bytes
+        elif config.torch_device.type == "cpu":
+            num_blocks = CPU_KV_CACHE_BYTES // block_bytes
+        else:
+            num_blocks = self._device_budget_bytes(hf_config) // block_bytes
+        needed = num_blocks_for(self.max_model_len, config.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV pool ({num_blocks} blocks of {config.block_size} tokens, "
+                f"{block_bytes} bytes each) cannot hold one sequence of max_model_len="
+                f"{self.max_model_len} tokens ({needed} blocks): raise num_kv_blocks, "
+                "kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len.")
+        return num_blocks
+
+    def _device_budget_bytes(self, hf_config: PretrainedConfig) -> int:
+        """This engine's share of device memory minus its weights and activation peak."""
+        config = self.config
+        total = torch.cuda.get_device_properties(config.torch_device).total_memory
+        utilization = config.gpu_memory_utilization or 0.9
+        activations = config.max_num_batched_tokens * (
+            4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * 4
+        logits = config.max_num_seqs * hf_config.vocab_size * 4 * 4
+        return max(0, int(utilization * total) - self.runner.weight_bytes() - activations - logits)
+
+
+def _load_tokenizer(model_dir: Path):
+    has_tokenizer = any((model_dir / name).exists() for name in
+                        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
+
+
+def _eos_token_ids(model_dir: Path, hf_config: PretrainedConfig, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [hf_config.eos_token_id]
+    if (model_dir / "generation_config.json").exists():
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    if tokenizer is not None:
+        sources.append(tokenizer.eos_token_id)
+    for source in sources:
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    return ids
+
+
+def _max_model_len(config: EngineConfig, hf_config: PretrainedConfig) -> int:
+    limit = hf_config.max_position_embeddings
+    sliding_window = getattr(hf_config, "sliding_window", None)
+    if sliding_window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, sliding_window)  # exact without sliding-window attention
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of "
+                         f"{limit} tokens (max_position_embeddings, or the sliding window, "
+                         "which Tandem does not implement): lower max_model_len.")
+    return config.max_model_len

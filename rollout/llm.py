@@ -1,0 +1,132 @@
+"""``LLM``: the offline, vLLM-shaped entry point (``generate``, ``chat``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """A rollout engine on one device, driven to completion by ``generate``.
+
+    Arguments are those of ``EngineConfig`` (vLLM's names): ``model`` is a local Hugging
+    Face folder or ``"smollm2-135m-instruct"``, the embedded default.
+
+    Raises:
+        ValueError: when the configuration cannot work (see ``EngineConfig`` and
+            ``LLMEngine``).
+    """
+
+    def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None,
+                 gpu_memory_utilization: float | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, device=device, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, seed=seed))
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer (None when the folder has none)."""
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list of prompts, in input order.
+
+        A prompt is a string or a list of token ids. ``sampling_params`` is one for all
+        prompts or one per prompt (default: ``SamplingParams()``).
+
+        Raises:
+            ValueError: for any invalid prompt or parameter list, before anything is queued.
+        """
+        prompt_list = _as_prompt_list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        token_ids = [self.engine.tokenize(p) for p in prompt_list]
+        for ids in token_ids:
+            self.engine.check_prompt(ids)
+        request_ids = []
+        for prompt, ids, p in zip(prompt_list, token_ids, params):
+            request_ids.append(f"llm-{next(self._request_ids)}")
+            self.engine.add_request(request_ids[-1], prompt if isinstance(prompt, str) else ids, p)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, conversations: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the chat template to each conversation and generate.
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` messages.
+
+        Raises:
+            ValueError: when the model has no tokenizer or chat template.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this model has no chat template: use generate() with a prompt.")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [tokenizer.apply_chat_template(c, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, int]:
+        """The engine's counters: KV blocks, queue lengths, weight version."""
+        return self.engine.stats()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        outputs[output.request_id] = output
+                        bar.update(1)
+            except BaseException:
+                for request_id in request_ids:
+                    self.engine.abort_request(request_id)
+                raise
+        return [outputs[request_id] for request_id in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]
+    if not prompts:
+        raise ValueError("no prompts given.")
+    return prompts
+
+
+def _params_per_prompt(params: SamplingParams | Seq[SamplingParams] | None,
+                       num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        params = SamplingParams()
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts: pass one "
+                         "for all or one per prompt.")
+    return params

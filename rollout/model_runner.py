@@ -1,0 +1,106 @@
+"""Runs one scheduled step on the device: flatten, forward, project, sample.
+
+The runner owns the model, the KV pool tensors and the sampler. It turns a
+``ScheduledBatch`` into one flat token stream (``input_ids``, ``positions``,
+``slot_mapping``, ``block_tables``, ``context_lens``, ``cu_seqlens_q``) and projects only the
+rows that sample through the LM head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from tandem.kernels import AttentionMetadata
+
+from .loader import load_weights
+from .models import build_model
+from .models.llama import head_dim_of
+from .sampler import Sampler, SamplerOutput
+from .scheduler import ScheduledBatch
+
+
+def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    per_token = 2 * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
+    return per_token * config.num_hidden_layers * block_size
+
+
+class ModelRunner:
+    """Holds the model and its KV pool and executes scheduled steps."""
+
+    def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, block_size: int,
+                 eos_token_ids: set[int], seed: int) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.model = build_model(hf_config, dtype, device, max_model_len)
+        load_weights(self.model, model_dir)
+        self.model.eval()
+        self.sampler = Sampler(eos_token_ids, seed, device)
+        self.kv_cache = torch.empty(0)
+
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (tied ones counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``."""
+        config = self.model.config
+        self.kv_cache = torch.zeros(
+            2, config.num_hidden_layers, num_blocks, self.block_size,
+            config.num_key_value_heads, head_dim_of(config), dtype=self.dtype,
+            device=self.device)
+        for layer, attention in enumerate(self.model.attention_layers()):
+            attention.k_cache = self.kv_cache[0, layer]
+            attention.v_cache = self.kv_cache[1, layer]
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
+        """Run ``batch``'s forward pass and sample for the sequences that finish their chunk."""
+        input_ids, positions, metadata, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, metadata)
+        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        return self.sampler(logits, seqs)
+
+    @torch.inference_mode()
+    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Float32 logits of every scheduled token (for tests and scoring), no sampling."""
+        input_ids, positions, metadata, _ = self._prepare(batch)
+        return self.model.compute_logits(self.model(input_ids, positions, metadata)).float()
+
+    def _prepare(self, batch: ScheduledBatch
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q = [0]
+        sample_rows: list[int] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + num_new]
+            span = range(start, start + num_new)
+            positions += span
+            slot_mapping += [seq.block_table[p // self.block_size] * self.block_size
+                             + p % self.block_size for p in span]
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+            if start + num_new == seq.num_tokens:
+                sample_rows.append(cu_seqlens_q[-1] - 1)
+        width = max(len(seq.block_table) for seq in batch.seqs)
+        block_tables = [seq.block_table + [0] * (width - len(seq.block_table))
+                        for seq in batch.seqs]
+        context_lens = [seq.num_computed_tokens + n
+                        for seq, n in zip(batch.seqs, batch.num_new_tokens)]
+        metadata = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
+            context_lens=self._tensor(context_lens), cu_seqlens_q=self._tensor(cu_seqlens_q),
+            num_decodes=batch.num_decodes)
+        return (self._tensor(input_ids), self._tensor(positions), metadata,
+                self._tensor(sample_rows))
+
+    def _tensor(self, values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,0 +1,172 @@
+"""Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
+
+Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up projections), so
+a checkpoint loads name for name and a trainer's weights need no mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tandem.kernels import AttentionMetadata, paged_attention, store_kv
+
+from .rotary import RotaryEmbedding, apply_rotary
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class ArchitectureSpec:
+    """What distinguishes one Llama-family architecture from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    bias_from_config: bool = False
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise ``x`` over its last dimension and scale by ``weight``."""
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention that writes this step's K/V into the pool and reads through it."""
+
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim ** -0.5
+        config_bias = bool(getattr(config, "attention_bias", False)) and spec.bias_from_config
+        qkv_bias, o_bias = spec.qkv_bias or config_bias, spec.o_bias or config_bias
+        hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Attend each token of ``hidden`` ``[tokens, hidden]`` to its sequence's context."""
+        q = self.q_proj(hidden).view(-1, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        out = paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate(x)) * up(x))."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, spec)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, rope: Rope, hidden: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """One transformer block on the flat token stream."""
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm."""
+
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_position, device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, spec) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[tokens, hidden]`` of the flat token stream."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(rope, hidden, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM; ``lm_head`` shares the embedding when the config ties them."""
+
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, spec, max_position, device)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with ``lm_head`` when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states of every token in the step."""
+        return self.model(input_ids, positions, metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocabulary logits of the given hidden rows."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[LlamaAttention]:
+        """The attention modules, in layer order, for binding the KV pool."""
+        return [layer.self_attn for layer in self.model.layers]
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """The attention head size (explicit in the config or hidden_size / num_heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -1,0 +1,66 @@
+"""Rotary position embedding with the rope scaling types Tandem supports."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """The config's rope parameters (transformers 5 keeps them in ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return {"rope_type": "default", **params}
+
+
+def check_rope_type(config: PretrainedConfig) -> None:
+    """Raise ValueError when the config asks for a rope type Tandem does not implement."""
+    rope_type = rope_parameters(config)["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported rope types: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}.")
+
+
+class RotaryEmbedding:
+    """cos and sin tables of every position up to ``max_position`` (rotate-half layout).
+
+    They are computed once in float32, as transformers computes them, and cast to the model
+    dtype when looked up. Not a module: the tables are neither parameters nor model-dtype
+    buffers, and stay put when the model is built on the meta device.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int,
+                 device: torch.device) -> None:
+        inv_freq, attention_scaling = _inv_freq(config, head_dim)
+        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
+        emb = torch.outer(positions, inv_freq).repeat(1, 2)
+        self.cos = (emb.cos() * attention_scaling).to(device)
+        self.sin = (emb.sin() * attention_scaling).to(device)
+
+    def __call__(self, positions: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[tokens, 1, head_dim]`` of each position, in ``dtype``."""
+        return (self.cos[positions].to(dtype).unsqueeze(1),
+                self.sin[positions].to(dtype).unsqueeze(1))
+
+
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``query`` and ``key`` ``[tokens, heads, head_dim]`` by cos and sin."""
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    return inv_freq.float(), float(attention_scaling)

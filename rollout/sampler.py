@@ -1,0 +1,152 @@
+"""Turns last-position logits into tokens and the log-probs the trainer needs.
+
+Order of processing, per row: repetition / presence / frequency penalties, min_tokens
+suppression of stop tokens, temperature, top-k, top-p, min-p. The returned log-prob of a
+token is its log-prob under that *processed* distribution (float32): after temperature, and
+renormalised over the tokens that truncation kept. Greedy rows (temperature 0) take the
+argmax and report log-probs of the penalised logits at temperature 1, untruncated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One sampled token per row, its processed log-prob, and the top-k log-probs if asked."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples with per-request seeded generators; unseeded rows share the engine's one."""
+
+    def __init__(self, eos_token_ids: set[int], seed: int, device: torch.device) -> None:
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.device = device
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.seq_generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """Sample one token for each ``seqs[i]`` from ``logits[i]``."""
+        logits = logits.float()
+        self._apply_penalties(logits, seqs)
+        self._suppress_stop_tokens(logits, seqs)
+        logits = self._apply_temperature(logits, seqs)
+        logits = self._truncate(logits, seqs)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token_ids = self._draw(logprobs, seqs)
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, seqs))
+
+    def release(self, seq_id: int) -> None:
+        """Forget the generator of a finished sequence."""
+        self.seq_generators.pop(seq_id, None)
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for row, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor(seq.token_ids, device=logits.device).unique()
+                scores = logits[row, seen]
+                logits[row, seen] = torch.where(scores > 0, scores / params.repetition_penalty,
+                                                scores * params.repetition_penalty)
+            if params.presence_penalty or params.frequency_penalty:
+                output = torch.tensor(seq.output_token_ids, dtype=torch.long,
+                                      device=logits.device)
+                counts = torch.bincount(output, minlength=logits.shape[1]).float()
+                logits[row] -= (params.frequency_penalty * counts
+                                + params.presence_penalty * (counts > 0).float())
+
+    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        for row, seq in enumerate(seqs):
+            params = seq.sampling_params
+            if seq.num_output_tokens < params.min_tokens:
+                stops = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+                logits[row, stops] = float("-inf")
+
+    def _apply_temperature(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temperatures = [s.sampling_params.temperature or 1.0 for s in seqs]
+        if all(t == 1.0 for t in temperatures):
+            return logits
+        return logits / torch.tensor(temperatures, device=logits.device)[:, None]
+
+    def _truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        sampled = [not s.sampling_params.greedy for s in seqs]
+        top_k = [s.sampling_params.top_k if g else 0 for s, g in zip(seqs, sampled)]
+        top_p = [s.sampling_params.top_p if g else 1.0 for s, g in zip(seqs, sampled)]
+        min_p = [s.sampling_params.min_p if g else 0.0 for s, g in zip(seqs, sampled)]
+        if any(top_k):
+            logits = _apply_top_k(logits, top_k)
+        if any(p < 1.0 for p in top_p):
+            logits = _apply_top_p(logits, torch.tensor(top_p, device=logits.device))
+        if any(min_p):
+            logits = _apply_min_p(logits, torch.tensor(min_p, device=logits.device))
+        return logits
+
+    def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Argmax for greedy rows; for the others argmax of probs / Exp(1) noise.
+
+        Dividing by exponential noise samples exactly from the distribution and lets each
+        seeded row draw its noise from its own generator.
+        """
+        token_ids = logprobs.argmax(dim=-1)
+        rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
+        if not rows:
+            return token_ids
+        noise = torch.empty(len(rows), logprobs.shape[1], device=logprobs.device)
+        unseeded = [j for j, i in enumerate(rows) if seqs[i].seed is None]
+        if unseeded:
+            noise[unseeded] = noise[unseeded].exponential_(generator=self.generator)
+        for j, i in enumerate(rows):
+            if seqs[i].seed is not None:
+                noise[j].exponential_(generator=self._generator_of(seqs[i]))
+        index = torch.tensor(rows, device=logprobs.device)
+        token_ids[index] = (logprobs[index].exp() / noise).argmax(dim=-1)
+        return token_ids
+
+    def _generator_of(self, seq: Sequence) -> torch.Generator:
+        generator = self.seq_generators.get(seq.seq_id)
+        if generator is None:
+            generator = torch.Generator(self.device).manual_seed(seq.seed)
+            self.seq_generators[seq.seq_id] = generator
+        return generator
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    k = torch.tensor([t or logits.shape[1] for t in top_k], device=logits.device)
+    k = k.clamp(max=logits.shape[1])
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    threshold = sorted_logits.gather(1, (k - 1)[:, None])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1.0 - top_p[:, None])
+    drop[:, -1] = False  # always keep the most likely token
+    return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def _top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
+    ks = [s.sampling_params.logprobs or 0 for s in seqs]
+    if not any(ks):
+        return [None] * len(seqs)
+    values, indices = logprobs.topk(max(ks), dim=-1)
+    values, indices = values.tolist(), indices.tolist()
+    return [dict(zip(indices[row][:k], values[row][:k])) if k else None
+            for row, k in enumerate(ks)]

@@ -1,0 +1,101 @@
+"""The state of one sequence as the scheduler and block manager see it (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    """Where a sequence is in its life: queued, holding KV blocks, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One completion being generated: its tokens, its KV blocks and its progress.
+
+    ``token_ids`` holds the prompt followed by the generated tokens. The model has computed
+    (written K/V for) the first ``num_computed_tokens`` of them; the block table lists the
+    physical KV blocks that hold them, in order. A sequence whose remaining uncomputed
+    tokens are all scheduled in one step samples a new token at the end of that step.
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int | None = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    first_weight_version: int | None = None
+    last_weight_version: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V the model has not written yet."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """True once a stop condition ended the sequence or it was aborted."""
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, weight_version: int) -> None:
+        """Append a sampled token and record the weight version it was sampled under."""
+        self.token_ids.append(token_id)
+        if self.first_weight_version is None:
+            self.first_weight_version = weight_version
+        self.last_weight_version = weight_version
+
+
+def child_seed(seed: int, index: int) -> int:
+    """Seed of the ``index``-th completion of a request seeded with ``seed``.
+
+    Child 0 keeps the request's seed, so an n=1 request and the first child of a group with
+    the same seed sample the same tokens.
+    """
+    return (seed + index * 0x9E3779B97F4A7C15) % (1 << 64)
+
+
+@dataclass(slots=True)
+class Request:
+    """One prompt and its ``n`` sequences (a *group* when n > 1)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once every sequence of the request has finished."""
+        return all(seq.is_finished for seq in self.seqs)

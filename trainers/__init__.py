@@ -1,0 +1,1 @@
+"""GRPO and PPO trainers colocated with the engine (they come with the trainers issue)."""
