@@ -72,18 +72,20 @@ class LLMEngine:
         return list(prompt)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError when a prompt is empty or longer than the model or the KV pool."""
+        """Raise ValueError when a prompt is empty or too long for the model and the KV pool.
+
+        The pool always holds one max_model_len sequence (checked at start), so a prompt
+        that leaves room under max_model_len also fits the pool.
+        """
         num_tokens = len(prompt_token_ids)
         if num_tokens == 0:
             raise ValueError("the prompt is empty: give at least one token.")
         if num_tokens >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_tokens} tokens, more than max_model_len="
-                             f"{self.max_model_len} allows (the prompt plus at least one new "
-                             "token must fit): shorten it or raise max_model_len.")
-        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
-        if num_tokens >= pool_tokens:
-            raise ValueError(f"the prompt has {num_tokens} tokens, more than the KV pool holds "
-                             f"({pool_tokens}): raise num_kv_blocks or kv_cache_memory_bytes.")
+            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len="
+                             f"{self.max_model_len} (which the KV pool is sized to hold) leaves "
+                             "no room for a new token: shorten the prompt, or raise "
+                             "max_model_len and the KV budget (num_kv_blocks or "
+                             "kv_cache_memory_bytes).")
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams) -> None:

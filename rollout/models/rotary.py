@@ -33,9 +33,10 @@ class RotaryEmbedding:
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int,
                  device: torch.device) -> None:
-        inv_freq, attention_scaling = _inv_freq(config, head_dim)
-        positions = torch.arange(max_position, dtype=torch.float32, device="cpu")
-        emb = torch.outer(positions, inv_freq).repeat(1, 2)
+        with torch.device("cpu"):  # real tables even while the model is built on meta
+            inv_freq, attention_scaling = _inv_freq(config, head_dim)
+            positions = torch.arange(max_position, dtype=torch.float32)
+            emb = torch.outer(positions, inv_freq).repeat(1, 2)
         self.cos = (emb.cos() * attention_scaling).to(device)
         self.sin = (emb.sin() * attention_scaling).to(device)
 
@@ -60,7 +61,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     params = rope_parameters(config)
     if params["rope_type"] == "default":
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
     return inv_freq.float(), float(attention_scaling)

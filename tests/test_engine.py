@@ -1,0 +1,154 @@
+"""The engine's API: stops, outputs, abort, stats, and clear errors on bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), num_kv_blocks=40, max_model_len=256)
+
+
+def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
+
+
+def assert_still_serving(llm: LLM) -> None:
+    assert not llm.engine.has_unfinished_requests()
+    output = llm.generate(["What is 2+3?"], greedy(4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(output.outputs[0].token_ids) == 4
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[]], "empty"),
+    ([[5] * 300], "max_model_len"),
+    ([[5] * 10, [5] * 300], "max_model_len"),
+    ([[10_000]], "token ids must be"),
+    ([], "no prompts"),
+])
+def test_bad_prompt_raises_before_anything_is_queued(llm, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, greedy(), use_tqdm=False)
+    assert llm.stats()["num_waiting"] == 0
+    assert_still_serving(llm)
+
+
+def test_prompt_longer_than_kv_pool_is_refused(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=4, block_size=16, max_model_len=64)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        llm.generate([[5] * 64], greedy(), use_tqdm=False)
+    assert_still_serving(llm)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3),
+    ("min_p", 2.0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("max_tokens", 0),
+    ("min_tokens", 99), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_mismatched_sampling_params_list_is_refused(llm):
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [greedy()], use_tqdm=False)
+    assert_still_serving(llm)
+
+
+def test_unknown_architecture_lists_supported_ones(llama_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
+        LLM(str(tmp_path))
+
+
+def test_kv_budget_too_small_names_the_fixes(llama_dir):
+    with pytest.raises(ValueError, match="num_kv_blocks, kv_cache_memory_bytes or "
+                                         "gpu_memory_utilization, or lower max_model_len"):
+        LLM(str(llama_dir), kv_cache_memory_bytes=10_000)
+
+
+def test_bad_engine_config_names_the_field():
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        EngineConfig(model="x", max_num_seqs=0)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="x", gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="not a folder"):
+        LLM("/nonexistent/model")
+
+
+def test_eos_ends_token_ids_but_not_text(llm):
+    eos = sorted(llm.engine.eos_token_ids)[0]
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode("What is 2+3?")
+    free_run = llm.generate([prompt], greedy(8, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop_at = free_run.token_ids[3]
+    output = llm.generate([prompt], greedy(8, stop_token_ids=[stop_at]),
+                          use_tqdm=False)[0].outputs[0]
+    cut = free_run.token_ids.index(stop_at) + 1
+    assert output.token_ids == free_run.token_ids[:cut]
+    assert output.finish_reason == "stop" and output.stop_reason == stop_at
+    assert output.text == tokenizer.decode(free_run.token_ids[:cut - 1])
+    assert eos not in free_run.token_ids or free_run.finish_reason == "stop"
+
+
+def test_stop_string_trims_text_and_keeps_its_token(llm):
+    tokenizer = llm.get_tokenizer()
+    prompt = tokenizer.encode("The quick brown")
+    free_run = llm.generate([prompt], greedy(16, ignore_eos=True), use_tqdm=False)[0]
+    text = free_run.outputs[0].text
+    stop = text[5:8]
+    output = llm.generate([prompt], greedy(16, ignore_eos=True, stop=[stop]),
+                          use_tqdm=False)[0].outputs[0]
+    assert output.finish_reason == "stop" and output.stop_reason == stop
+    assert output.text == text[:text.find(stop)]
+    assert stop in tokenizer.decode(output.token_ids)
+    assert stop not in tokenizer.decode(output.token_ids[:-1])
+
+
+def test_length_finish_and_n_completions(llm):
+    outputs = llm.generate(["What is 2+3?", "Seven"],
+                           SamplingParams(n=3, max_tokens=5, ignore_eos=True, seed=0),
+                           use_tqdm=False)
+    assert [len(o.outputs) for o in outputs] == [3, 3]
+    for output in outputs:
+        assert [c.index for c in output.outputs] == [0, 1, 2]
+        assert all(c.finish_reason == "length" and len(c.token_ids) == 5 for c in output.outputs)
+        assert all(c.logprobs is None and c.weight_versions == (0, 0) for c in output.outputs)
+
+
+def test_chat_applies_template(llm):
+    tokenizer = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "What is 2+3?"}]
+    output = llm.chat(conversation, greedy(4), use_tqdm=False)[0]
+    expected = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=True)
+    assert output.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_engine_step_loop_abort_frees_blocks(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=40, max_model_len=256))
+    engine.add_request("a", "What is 2+3?", greedy(50, ignore_eos=True))
+    engine.add_request("b", "Seven", greedy(3, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", "x", greedy())
+    finished = []
+    while not finished:
+        finished = engine.step()
+    assert [o.request_id for o in finished] == ["b"]
+    assert engine.stats()["num_running"] == 1 and engine.stats()["kv_blocks_used"] > 0
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+    assert engine.stats() | {"weight_version": 0} == {
+        "kv_blocks_total": 40, "kv_blocks_used": 0, "num_running": 0, "num_waiting": 0,
+        "weight_version": 0, "preemptions": 0}

@@ -1,0 +1,61 @@
+"""Continuous batching: token budgets, chunked prefill, admission limits and preemption."""
+
+from __future__ import annotations
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.block_manager import BlockManager
+from tandem.rollout.scheduler import Scheduler
+from tandem.rollout.sequence import Sequence
+
+PROMPTS = ["What is 2+3? The answer is", "The quick brown fox jumps over the lazy dog. " * 3,
+           "def add(a, b):\n    return a + b\n" * 2, "Seven"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def test_tiny_token_budget_chunks_prefill_with_same_greedy_output(llama_dir):
+    roomy = greedy_tokens(LLM(str(llama_dir)))
+    chunked = LLM(str(llama_dir), max_num_batched_tokens=7)
+    assert greedy_tokens(chunked) == roomy
+    assert chunked.stats()["kv_blocks_used"] == 0
+
+
+def test_tiny_kv_pool_preempts_with_same_greedy_output(llama_dir):
+    roomy = greedy_tokens(LLM(str(llama_dir)))
+    tiny = LLM(str(llama_dir), num_kv_blocks=14, block_size=8, max_model_len=112)
+    assert greedy_tokens(tiny) == roomy
+    assert tiny.stats()["preemptions"] > 0
+    assert tiny.stats()["kv_blocks_used"] == 0
+
+
+def test_max_num_seqs_one_runs_requests_one_at_a_time(llama_dir):
+    roomy = greedy_tokens(LLM(str(llama_dir)))
+    assert greedy_tokens(LLM(str(llama_dir), max_num_seqs=1)) == roomy
+
+
+def make_seq(seq_id: int, num_tokens: int) -> Sequence:
+    tokens = list(range(num_tokens))
+    return Sequence(seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=tokens,
+                    num_prompt_tokens=num_tokens, sampling_params=SamplingParams())
+
+
+def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
+    scheduler = Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
+                          max_num_batched_tokens=10)
+    first = make_seq(0, 6)
+    scheduler.add(first)
+    batch = scheduler.schedule()
+    assert batch.seqs == [first] and batch.num_new_tokens == [6] and batch.samples(0)
+    scheduler.update(batch, [7], weight_version=0)
+    second, third = make_seq(1, 7), make_seq(2, 5)
+    scheduler.add(second)
+    scheduler.add(third)
+    batch = scheduler.schedule()
+    assert batch.seqs == [first, second, third] and batch.num_decodes == 1
+    assert batch.num_new_tokens == [1, 7, 2] and batch.num_batched_tokens == 10
+    assert [batch.samples(i) for i in range(3)] == [True, True, False]
