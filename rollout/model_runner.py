@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
-
 from tandem.kernels import AttentionMetadata
+from transformers import PretrainedConfig
 
 from .loader import load_weights
 from .models import build_model

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from tandem.rollout.block_manager import BlockManager, num_blocks_for
 from tandem.rollout.sampling_params import SamplingParams
 from tandem.rollout.sequence import Sequence

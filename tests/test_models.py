@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.scheduler import ScheduledBatch
+from transformers import AutoModelForCausalLM
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope", "linear-rope"]
 PROMPTS = ["What is 2+3?", "The quick brown fox jumps over the lazy dog and then",

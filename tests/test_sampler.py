@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
 from tandem.rollout import LLM, SamplingParams
+from transformers import AutoModelForCausalLM
 
 
 @pytest.fixture(scope="module")
