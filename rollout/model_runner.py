@@ -8,8 +8,10 @@ rows that sample through the LM head.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from tandem.kernels import AttentionMetadata
 from transformers import PretrainedConfig
@@ -49,10 +51,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``."""
         config = self.model.config
-        self.kv_cache = torch.zeros(
-            2, config.num_hidden_layers, num_blocks, self.block_size,
-            config.num_key_value_heads, head_dim_of(config), dtype=self.dtype,
-            device=self.device)
+        shape = (2, config.num_hidden_layers, num_blocks, self.block_size,
+                 config.num_key_value_heads, head_dim_of(config))
+        self.kv_cache = _zeros(shape, self.dtype, self.device)
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
@@ -103,3 +104,15 @@ class ModelRunner:
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on CPU from calloc, so untouched pages of a large pool stay free.
+
+    Padded attention reads past a sequence's end, so the pool must never hold NaN garbage;
+    ``torch.zeros`` on CPU would write (and make resident) the whole pool at start.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
