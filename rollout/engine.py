@@ -59,13 +59,15 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt given as text or as ids.
 
+        Text is encoded with the tokenizer's special tokens (such as BOS), as vLLM does.
+
         Raises:
             ValueError: for text without a tokenizer, or ids outside the vocabulary.
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer: pass prompts as token ids.")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
         vocab_size = self.runner.model.config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}).")

@@ -72,9 +72,10 @@ class LLM:
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the chat template to each conversation and generate.
+        """Apply the chat template to each conversation and generate from its token ids.
 
-        A conversation is a list of ``{"role": ..., "content": ...}`` messages.
+        The template supplies the special tokens (nothing is added on top). A conversation
+        is a list of ``{"role": ..., "content": ...}`` messages.
 
         Raises:
             ValueError: when the model has no tokenizer or chat template.
@@ -84,7 +85,7 @@ class LLM:
             raise ValueError("this model has no chat template: use generate() with a prompt.")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [tokenizer.apply_chat_template(c, tokenize=False,
+        prompts = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=False,
                                                  add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

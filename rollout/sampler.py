@@ -102,9 +102,7 @@ class Sampler:
         if not rows:
             return token_ids
         noise = torch.empty(len(rows), logprobs.shape[1], device=logprobs.device)
-        unseeded = [j for j, i in enumerate(rows) if seqs[i].seed is None]
-        if unseeded:
-            noise[unseeded] = noise[unseeded].exponential_(generator=self.generator)
+        noise.exponential_(generator=self.generator)
         for j, i in enumerate(rows):
             if seqs[i].seed is not None:
                 noise[j].exponential_(generator=self._generator_of(seqs[i]))

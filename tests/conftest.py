@@ -55,6 +55,10 @@ CONFIGS = {
             "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}, **SMALL),
+    "yarn-rope": lambda v: Qwen2Config(
+        vocab_size=v, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0,
+                                       "factor": 4.0, "original_max_position_embeddings": 128},
+        **SMALL),
     "linear-rope": lambda v: LlamaConfig(
         vocab_size=v, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0,
                                        "factor": 2.0}, **SMALL),

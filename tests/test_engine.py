@@ -132,6 +132,7 @@ def test_chat_applies_template(llm):
     output = llm.chat(conversation, greedy(4), use_tqdm=False)[0]
     expected = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=True)
+    assert expected.startswith("<|im_start|>user\nWhat is 2+3?")
     assert output.prompt_token_ids == tokenizer.encode(expected, add_special_tokens=False)
 
 

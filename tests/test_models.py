@@ -8,7 +8,8 @@ from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.scheduler import ScheduledBatch
 from transformers import AutoModelForCausalLM
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope", "linear-rope"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope", "linear-rope",
+                 "yarn-rope"]
 PROMPTS = ["What is 2+3?", "The quick brown fox jumps over the lazy dog and then",
            "def", "Tandem shares a GPU with the trainer and samples groups of completions."]
 
