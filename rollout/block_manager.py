@@ -1,12 +1,20 @@
-"""The KV pool's bookkeeping: fixed-size blocks, reference counts, per-sequence block tables.
+"""The KV pool's bookkeeping: blocks, reference counts, block tables, the prefix cache.
 
-The block manager knows block ids and token counts, never tensors: the model runner turns
-block tables into slot mappings.
+The block manager knows block ids, token ids and hashes, never tensors: the model runner
+turns block tables into slot mappings and performs the copy-on-write copies it returns.
+
+Prefix cache: a full block's hash chains its parent's hash, an extra key (the weight version
+and LoRA id, so a weight update misses old entries without a scan) and its token ids. A
+freed block keeps its hash, and so its cached content, until it is reused; the free queue
+hands out the least recently freed block first, and a sequence frees its blocks last block
+first, so a chain's tail is evicted before its head.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
 
 from .sequence import Sequence
 
@@ -16,25 +24,48 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_hash(parent_hash: int | None, extra_key: Hashable, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block (chained through its parent)."""
+    return hash((parent_hash, extra_key, token_ids))
+
+
+@dataclass(slots=True)
+class Block:
+    """One KV block: how many sequences hold it and, once full and registered, its hash."""
+
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
 class BlockManager:
     """Owns ``num_blocks`` KV blocks of ``block_size`` tokens each.
 
-    A block is free when its reference count is 0. ``allocate`` grows a sequence's block table
-    to cover a token count; ``free`` drops the sequence's references.
+    A block is free when its reference count is 0. Sequences in a group share blocks (the
+    reference count says how many); a sequence about to write into a shared block first gets
+    its own copy (copy-on-write), the last holder writes in place.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key: Hashable = 0
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_ids: dict[int, int] = {}
+        self.num_cow_copies = 0
+        self.num_queried_tokens = 0
+        self.num_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that no sequence holds."""
+        """Blocks that no sequence holds (some may still hold cached content)."""
         return len(self.free_block_ids)
 
     @property
@@ -42,35 +73,158 @@ class BlockManager:
         """Blocks held by at least one sequence."""
         return self.num_blocks - len(self.free_block_ids)
 
-    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks ``seq`` must add to its table to hold its first ``num_tokens`` tokens."""
-        return max(0, num_blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a registered hash (reusable by a cache hit)."""
+        return sum(self.blocks[b].block_hash is not None for b in self.free_block_ids)
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """True when the free blocks suffice to grow ``seq`` to ``num_tokens`` tokens."""
+    def admit(self, seq: Sequence) -> int | None:
+        """Give ``seq`` blocks for all its tokens, reusing cached blocks of its prefix.
+
+        Returns the number of tokens whose K/V the cache already holds (a multiple of
+        block_size, always leaving at least one token to compute), or None, changing
+        nothing, when the free blocks do not suffice.
+        """
+        hits = self._lookup(seq)
+        hits_on_free = sum(self.blocks[b].ref_count == 0 for b in hits)
+        fresh = num_blocks_for(seq.num_tokens, self.block_size) - len(hits)
+        if fresh + hits_on_free > len(self.free_block_ids):
+            return None
+        for block_id in hits:
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(self.blocks[block_id].block_hash)
+        self._grow(seq, seq.num_tokens)
+        num_hit_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += seq.num_tokens
+        self.num_hit_tokens += num_hit_tokens
+        return num_hit_tokens
+
+    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks ``seq`` needs to write up to ``num_tokens`` tokens (growth and copy)."""
+        grow = max(0, num_blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+        return grow + self._needs_copy(seq)
+
+    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
+        """True when the free blocks suffice for ``seq`` to write up to ``num_tokens``."""
         return self.num_new_blocks(seq, num_tokens) <= len(self.free_block_ids)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq``'s block table to hold ``num_tokens`` tokens.
+    def append(self, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
+        """Make ``seq``'s blocks writable up to ``num_tokens`` tokens.
+
+        Copies a shared block that the next write lands in (copy-on-write) and grows the
+        table. Returns the ``(source, destination)`` block pair the runner must copy, if any.
 
         Raises:
-            RuntimeError: when too few blocks are free (callers check ``can_allocate``).
+            RuntimeError: when the pool lacks blocks (callers check ``can_append``).
         """
-        needed = self.num_new_blocks(seq, num_tokens)
-        if needed > len(self.free_block_ids):
-            raise RuntimeError(f"KV pool exhausted: need {needed} blocks, "
-                               f"{len(self.free_block_ids)} free")
-        for _ in range(needed):
-            block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
+        if not self.can_append(seq, num_tokens):
+            raise RuntimeError("KV pool exhausted: check can_append before append")
+        copy = self._copy_on_write(seq) if self._needs_copy(seq) else None
+        self._grow(seq, num_tokens)
+        return copy
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` share every block of ``parent`` (one more reference each)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+
+    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash and cache each of ``seq``'s blocks that its first ``num_tokens`` tokens fill.
+
+        Called when the step that fills them is scheduled: the step writes each layer's K/V
+        before any attention of that step reads them, so a later request of the same step
+        may already hit these blocks.
+        """
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for index in range(len(seq.block_hashes), num_tokens // size):
+            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
+            self._register(seq.block_table[index], seq.block_hashes[-1], tokens)
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s reference to each of its blocks, last block first, and clear its table."""
+        """Drop ``seq``'s reference to each of its blocks, last block first.
+
+        Blocks keep their hashes (and so their cached content) until reused.
+
+        Raises:
+            RuntimeError: on a double free (a block whose reference count is already 0).
+        """
         for block_id in reversed(seq.block_table):
-            if self.ref_counts[block_id] <= 0:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
                 raise RuntimeError(f"double free of KV block {block_id}")
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
         seq.block_table.clear()
+        seq.block_hashes.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash; blocks in use keep their content, nothing will hit it."""
+        for block_id in self.cached_block_ids.values():
+            self.blocks[block_id].block_hash = None
+            self.blocks[block_id].token_ids = ()
+        self.cached_block_ids.clear()
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding ``seq``'s leading full blocks (at least one token left)."""
+        if not self.enable_prefix_caching:
+            return []
+        size, parent, hits = self.block_size, None, []
+        for index in range((seq.num_tokens - 1) // size):
+            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
+            parent = block_hash(parent, self.extra_key, tokens)
+            block_id = self.cached_block_ids.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def _register(self, block_id: int, hash_value: int, tokens: tuple[int, ...]) -> None:
+        if hash_value in self.cached_block_ids:
+            return  # the same content is cached in another block already
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = hash_value, tokens
+        self.cached_block_ids[hash_value] = block_id
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        index = seq.num_computed_tokens // self.block_size
+        return (index < len(seq.block_table)
+                and self.blocks[seq.block_table[index]].ref_count > 1)
+
+    def _copy_on_write(self, seq: Sequence) -> tuple[int, int]:
+        index = seq.num_computed_tokens // self.block_size
+        source = seq.block_table[index]
+        self.blocks[source].ref_count -= 1
+        destination = self._pop_free()
+        seq.block_table[index] = destination
+        self.num_cow_copies += 1
+        return source, destination
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        while len(seq.block_table) < num_blocks_for(num_tokens, self.block_size):
+            seq.block_table.append(self._pop_free())
+
+    def _pop_free(self) -> int:
+        """The least recently freed block, its old cached content evicted."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            if self.cached_block_ids.get(block.block_hash) == block_id:
+                del self.cached_block_ids[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _take(self, block_id: int) -> None:
+        """Add a reference to a cached block, taking it off the free queue if it was free."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_block_ids[block_id]
+        block.ref_count += 1

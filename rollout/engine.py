@@ -21,7 +21,7 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Request, Sequence, child_seed
+from .sequence import Request, Sequence, SequenceStatus, child_seed
 
 
 class LLMEngine:
@@ -47,7 +47,8 @@ class LLMEngine:
                                   config.block_size, self.eos_token_ids, config.seed)
         num_blocks = self._num_kv_blocks(hf_config, dtype)
         self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
@@ -91,28 +92,38 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int],
                     sampling_params: SamplingParams) -> None:
-        """Validate a prompt and queue its ``n`` sequences.
+        """Validate a prompt and queue it; its ``n`` sequences fork once it is prefilled.
 
         Raises:
-            ValueError: for a duplicate request id or a prompt ``check_prompt`` refuses; nothing
-                is queued then.
+            ValueError: for a duplicate request id, n above max_num_seqs, or a prompt
+                ``check_prompt`` refuses; nothing is queued then.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
+        if sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs="
+                             f"{self.config.max_num_seqs} (a group runs in one batch): lower n "
+                             "or raise max_num_seqs.")
         prompt_token_ids = self.tokenize(prompt)
         self.check_prompt(prompt_token_ids)
         request = Request(request_id, prompt if isinstance(prompt, str) else None,
                           prompt_token_ids, sampling_params)
-        for index in range(sampling_params.n):
-            seed = None if sampling_params.seed is None else child_seed(sampling_params.seed,
-                                                                         index)
-            request.seqs.append(Sequence(
-                seq_id=next(self._seq_ids), request_id=request_id, index=index,
-                token_ids=list(prompt_token_ids), num_prompt_tokens=len(prompt_token_ids),
-                sampling_params=sampling_params, seed=seed))
+        request.seqs = [self._new_sequence(request, index) for index in range(sampling_params.n)]
+        first, *children = request.seqs
+        for child in children:
+            child.status = SequenceStatus.FORK_PENDING
+        first.pending_children = children
         self.requests[request_id] = request
-        for seq in request.seqs:
-            self.scheduler.add(seq)
+        self.scheduler.add(first)
+
+    def _new_sequence(self, request: Request, index: int) -> Sequence:
+        seed = request.sampling_params.seed
+        return Sequence(
+            seq_id=next(self._seq_ids), request_id=request.request_id, index=index,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling_params=request.sampling_params,
+            seed=None if seed is None else child_seed(seed, index))
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests it finished."""
@@ -144,15 +155,24 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
-        """KV pool use, queue lengths and the weight version."""
+        """KV pool use, queue lengths, weight version, prefix-cache and sharing counters."""
+        block_manager = self.block_manager
         return {
-            "kv_blocks_total": self.block_manager.num_blocks,
-            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "kv_blocks_total": block_manager.num_blocks,
+            "kv_blocks_used": block_manager.num_used_blocks,
+            "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "weight_version": self.weight_version,
+            "prefix_cache_queried_tokens": block_manager.num_queried_tokens,
+            "prefix_cache_hit_tokens": block_manager.num_hit_tokens,
+            "cow_copies": block_manager.num_cow_copies,
             "preemptions": self.scheduler.num_preemptions,
         }
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block; later requests recompute their prompts."""
+        self.block_manager.reset_prefix_cache()
 
     def _finish(self, seq: Sequence, finish_reason: str) -> None:
         self.scheduler.finish(seq, finish_reason)

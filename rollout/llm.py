@@ -91,8 +91,12 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, int]:
-        """The engine's counters: KV blocks, queue lengths, weight version."""
+        """The engine's counters (see ``LLMEngine.stats``)."""
         return self.engine.stats()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block."""
+        self.engine.reset_prefix_cache()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

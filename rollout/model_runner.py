@@ -60,12 +60,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run ``batch``'s forward pass and sample for the sequences that finish their chunk."""
+        """Run ``batch``'s forward pass and sample for the sequences that finish their chunk.
+
+        Copy-on-write block copies run first. A row whose group forks in this step is
+        sampled once per group member, each with its own parameters and generator.
+        """
+        self._copy_blocks(batch.copies)
         input_ids, positions, metadata, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, metadata)
         logits = self.model.compute_logits(hidden[sample_rows]).float()
-        seqs = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        return self.sampler(logits, seqs)
+        groups = batch.sampling_groups()
+        if any(len(group) > 1 for group in groups):
+            sizes = torch.tensor([len(group) for group in groups], device=logits.device)
+            logits = logits.repeat_interleave(sizes, dim=0)
+        return self.sampler(logits, [seq for group in groups for seq in group])
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            sources, destinations = (self._tensor(list(c)) for c in zip(*copies))
+            self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
 
     @torch.inference_mode()
     def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:

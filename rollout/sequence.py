@@ -9,9 +9,14 @@ from .sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
-    """Where a sequence is in its life: queued, holding KV blocks, or done."""
+    """Where a sequence is in its life.
+
+    Queued, waiting for its group's prompt (forks from the group's first sequence), holding
+    KV blocks, or done.
+    """
 
     WAITING = "waiting"
+    FORK_PENDING = "fork_pending"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -24,6 +29,10 @@ class Sequence:
     (written K/V for) the first ``num_computed_tokens`` of them; the block table lists the
     physical KV blocks that hold them, in order. A sequence whose remaining uncomputed
     tokens are all scheduled in one step samples a new token at the end of that step.
+
+    ``block_hashes`` are the prefix-cache hashes of its full blocks, in order. The first
+    sequence of a group carries the others in ``pending_children`` until its prompt is
+    prefilled; then they fork from it, sharing its blocks.
     """
 
     seq_id: int
@@ -35,6 +44,8 @@ class Sequence:
     seed: int | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    pending_children: list[Sequence] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -39,7 +39,7 @@ def test_max_num_seqs_one_runs_requests_one_at_a_time(llama_dir):
 
 
 def make_seq(seq_id: int, num_tokens: int) -> Sequence:
-    tokens = list(range(num_tokens))
+    tokens = [seq_id * 100 + i for i in range(num_tokens)]
     return Sequence(seq_id=seq_id, request_id=str(seq_id), index=0, token_ids=tokens,
                     num_prompt_tokens=num_tokens, sampling_params=SamplingParams())
 
