@@ -21,8 +21,8 @@ compared between separate processes (``--only``).
 
 Run::
 
-    /work/venv/bin/python benchmarks/grpo_cpu.py
-    /work/venv/bin/python benchmarks/grpo_cpu.py --only tandem --repeats 3
+    python benchmarks/grpo_cpu.py
+    python benchmarks/grpo_cpu.py --only tandem --repeats 3
 """
 
 from __future__ import annotations
