@@ -37,14 +37,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.default_model import embedded_model_dir
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     ContinuousBatchingConfig,
     GenerationConfig,
 )
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.default_model import embedded_model_dir
 
 MESSAGES = [
     "What is 2+3?",

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tandem.kernels import AttentionMetadata
 from transformers import PretrainedConfig
+
+from tandem.kernels import AttentionMetadata
 
 from .loader import load_weights
 from .models import build_model

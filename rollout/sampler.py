@@ -92,22 +92,26 @@ class Sampler:
         return logits
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Argmax for greedy rows; for the others argmax of probs / Exp(1) noise.
+        """Argmax for greedy rows; inverse-CDF sampling with one uniform per row otherwise.
 
-        Dividing by exponential noise samples exactly from the distribution and lets each
-        seeded row draw its noise from its own generator.
+        One uniform per row is cheap (per-element noise costs tens of ms per step on a CPU
+        at a 49k vocabulary), and lets each seeded row draw from its own generator.
         """
         token_ids = logprobs.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
         if not rows:
             return token_ids
-        noise = torch.empty(len(rows), logprobs.shape[1], device=logprobs.device)
-        noise.exponential_(generator=self.generator)
+        uniform = torch.rand(len(rows), 1, generator=self.generator, device=logprobs.device)
         for j, i in enumerate(rows):
             if seqs[i].seed is not None:
-                noise[j].exponential_(generator=self._generator_of(seqs[i]))
+                uniform[j] = torch.rand(1, generator=self._generator_of(seqs[i]),
+                                        device=logprobs.device)
         index = torch.tensor(rows, device=logprobs.device)
-        token_ids[index] = (logprobs[index].exp() / noise).argmax(dim=-1)
+        cdf = logprobs[index].exp().cumsum(dim=-1)
+        # Scaling by the row total absorbs float32 rounding in the cumulative sum; a token of
+        # probability 0 adds nothing to the sum, so "first entry above u" never picks it.
+        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
+        token_ids[index] = sampled.squeeze(1).clamp(max=logprobs.shape[1] - 1)
         return token_ids
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.default_model import DEFAULT_MODEL, embedded_model_dir
-from transformers import AutoModelForCausalLM
 
 from .test_models import engine_prompt_logits, hf_greedy
 

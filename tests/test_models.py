@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
+
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.scheduler import ScheduledBatch
-from transformers import AutoModelForCausalLM
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope", "linear-rope",
                  "yarn-rope"]

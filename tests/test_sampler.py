@@ -6,8 +6,11 @@ import math
 
 import pytest
 import torch
-from tandem.rollout import LLM, SamplingParams
 from transformers import AutoModelForCausalLM
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.sampler import Sampler
+from tandem.rollout.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +120,16 @@ def test_min_tokens_suppresses_eos(llm):
     for output in llm.generate([prompt] * 4, params, use_tqdm=False):
         tokens = output.outputs[0].token_ids
         assert len(tokens) == 6 and eos not in tokens and 5 not in tokens
+
+
+def test_sampled_frequencies_follow_processed_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits = (probs + 1e-30).log().repeat(4000, 1)
+    seqs = [Sequence(seq_id=i, request_id="r", index=0, token_ids=[1], num_prompt_tokens=1,
+                     sampling_params=SamplingParams(temperature=1.0)) for i in range(4000)]
+    output = Sampler(set(), seed=0, device=torch.device("cpu"))(logits, seqs)
+    counts = torch.bincount(torch.tensor(output.token_ids), minlength=5).float() / 4000
+    assert counts[4] == 0
+    assert (counts - probs).abs().max() < 0.03
+    expected = torch.log_softmax(logits[0], -1)[torch.tensor(output.token_ids)]
+    assert torch.allclose(torch.tensor(output.logprobs), expected)

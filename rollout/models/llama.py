@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tandem.kernels import AttentionMetadata, paged_attention, store_kv
 from torch import nn
 from transformers import PretrainedConfig
+
+from tandem.kernels import AttentionMetadata, paged_attention, store_kv
 
 from .rotary import RotaryEmbedding, apply_rotary
 
