@@ -17,7 +17,7 @@ QUESTIONS = ["What is 2+3?", "If I have 7 apples and eat 2, how many are left?",
 
 
 def test_embedded_model_greedy_and_logits_match_transformers():
-    llm = LLM(DEFAULT_MODEL)
+    llm = LLM(DEFAULT_MODEL, enable_prefix_caching=False)  # logits of every prompt token
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,

@@ -40,7 +40,10 @@ def test_greedy_batch_matches_transformers_per_prompt(model_dir, kind):
 
 
 def engine_prompt_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits of every prompt position, all prompts prefilled in one step."""
+    """Logits of every prompt position, all prompts prefilled in one step.
+
+    The engine must run without prefix caching, or shared prefixes would be skipped.
+    """
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"logits-{i}", prompt, SamplingParams(max_tokens=1))
@@ -55,7 +58,7 @@ def engine_prompt_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tenso
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_prompt_logits_match_transformers_forward(model_dir, kind):
     folder = model_dir(kind)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), enable_prefix_caching=False)
     prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     logits = engine_prompt_logits(llm, prompts)
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
