@@ -55,7 +55,8 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.extra_key: Hashable = 0
+        # The engine sets this to (weight_version, lora_id) whenever the weights change.
+        self.extra_key: Hashable = (0, None)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_block_ids: dict[int, int] = {}
