@@ -9,9 +9,9 @@ rows that sample through the LM head.
 from __future__ import annotations
 
 import math
+import mmap
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -121,12 +121,18 @@ class ModelRunner:
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU from calloc, so untouched pages of a large pool stay free.
+    """A zeroed tensor; on CPU an anonymous mapping backed by transparent huge pages.
 
-    Padded attention reads past a sequence's end, so the pool must never hold NaN garbage;
-    ``torch.zeros`` on CPU would write (and make resident) the whole pool at start.
+    Padded attention reads past a sequence's end, so the pool must never hold NaN garbage.
+    ``torch.zeros`` on CPU would write (and make resident) the whole pool at start; a fresh
+    anonymous mapping is zero and costs memory only where written, and huge pages make the
+    first write to each 2 MiB one page fault instead of 512 (about 10% of a CPU decode
+    step otherwise).
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
