@@ -1,16 +1,24 @@
-"""Loading a Hugging Face folder's safetensors weights into a Tandem model, name for name."""
+"""Loading a Hugging Face folder's safetensors weights into a Tandem model, name for name.
+
+Tensors are read straight from the file into the parameters' memory (``readinto``) when
+dtype and device allow, so loading needs no second copy of the weights and maps no file
+pages into the process (a memory-mapped read would count the whole file in peak RSS).
+"""
 
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 # Buffers some checkpoints carry that Tandem recomputes instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                      "BF16": torch.bfloat16}
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -34,16 +42,17 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
     """Copy every checkpoint tensor into the parameter of the same name.
 
     Raises:
-        ValueError: on an unknown name, a shape mismatch, or a parameter the checkpoint lacks.
+        ValueError: on an unknown name, a shape mismatch, an unsupported dtype, or a
+            parameter the checkpoint lacks.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+        with open(path, "rb") as file:
+            for name, entry, data_start in _read_header(file):
                 if name.endswith(IGNORED_SUFFIXES):
                     continue
-                _copy_into(params, name, f.get_tensor(name))
+                _read_into(file, data_start, entry, _parameter(params, name, entry))
                 loaded.add(name)
     tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
     missing = set(params) - loaded - tied
@@ -52,12 +61,34 @@ def load_weights(model: nn.Module, model_dir: Path) -> None:
                          f"{sorted(missing)[:5]}")
 
 
-def _copy_into(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+def _read_header(file: BinaryIO) -> list[tuple[str, dict, int]]:
+    """``(name, entry, data_start)`` of every tensor in a safetensors file."""
+    (header_size,) = struct.unpack("<Q", file.read(8))
+    header = json.loads(file.read(header_size))
+    header.pop("__metadata__", None)
+    return [(name, entry, 8 + header_size) for name, entry in header.items()]
+
+
+def _parameter(params: dict[str, nn.Parameter], name: str, entry: dict) -> nn.Parameter:
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model.")
     param = params[name]
-    if param.shape != tensor.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
+    if list(param.shape) != entry["shape"]:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(entry['shape'])}, the "
                          f"model expects {tuple(param.shape)}.")
+    if entry["dtype"] not in SAFETENSORS_DTYPES:
+        raise ValueError(f"checkpoint tensor {name!r} has dtype {entry['dtype']}; Tandem loads "
+                         f"{', '.join(SAFETENSORS_DTYPES)}.")
+    return param
+
+
+def _read_into(file: BinaryIO, data_start: int, entry: dict, param: nn.Parameter) -> None:
+    begin, end = entry["data_offsets"]
+    file.seek(data_start + begin)
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     with torch.no_grad():
-        param.copy_(tensor)
+        if dtype == param.dtype and param.device.type == "cpu" and param.is_contiguous():
+            file.readinto(param.data.view(-1).view(torch.uint8).numpy())
+        else:
+            staged = torch.frombuffer(bytearray(file.read(end - begin)), dtype=dtype)
+            param.copy_(staged.view(param.shape))
