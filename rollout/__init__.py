@@ -1,10 +1,13 @@
 """Tandem's rollout engine: ``LLM``, ``SamplingParams`` and the ``LLMEngine`` underneath."""
 
+from tandem.sync import WeightUpdateError
+
 from .config import EngineConfig
 from .engine import LLMEngine
+from .errors import EngineAsleepError
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineAsleepError", "EngineConfig", "LLMEngine",
+           "RequestOutput", "SamplingParams", "WeightUpdateError"]

@@ -7,14 +7,19 @@ completion.
 from __future__ import annotations
 
 import itertools
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from tandem.sync import WeightUpdate
+
 from .block_manager import BlockManager, num_blocks_for
 from .config import CPU_KV_CACHE_BYTES, EngineConfig
 from .default_model import resolve_model
+from .errors import EngineAsleepError
 from .model_runner import ModelRunner, kv_block_bytes
 from .models import architecture_of
 from .output_processor import OutputProcessor
@@ -45,17 +50,24 @@ class LLMEngine:
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
                                   config.block_size, self.eos_token_ids, config.seed)
-        num_blocks = self._num_kv_blocks(hf_config, dtype)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        self.num_kv_blocks = self._num_kv_blocks(hf_config, dtype)
+        self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
+        self.sleep_level = 0
+        # Held by every step and by weight commits, so an update lands between steps.
+        self.lock = threading.RLock()
         self._seq_ids = itertools.count()
+        self._new_pool()
+
+    def _new_pool(self) -> None:
+        self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.block_manager.extra_key = (self.weight_version, None)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
+                                   self.config.max_num_batched_tokens)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt given as text or as ids.
@@ -97,7 +109,11 @@ class LLMEngine:
         Raises:
             ValueError: for a duplicate request id, n above max_num_seqs, or a prompt
                 ``check_prompt`` refuses; nothing is queued then.
+            EngineAsleepError: while the engine sleeps.
         """
+        if self.sleep_level:
+            raise EngineAsleepError("the engine is asleep (its KV pool is freed): call "
+                                    "wake_up() before generating.")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use.")
         if sampling_params.n > self.config.max_num_seqs:
@@ -127,6 +143,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests it finished."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -155,9 +175,13 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
-        """KV pool use, queue lengths, weight version, prefix-cache and sharing counters."""
+        """Memory held, KV pool use, queue lengths, weight version, prefix-cache and sharing
+        counters."""
         block_manager = self.block_manager
         return {
+            "sleep_level": self.sleep_level,
+            "weight_bytes": self.runner.weight_bytes(),
+            "kv_cache_bytes": self.runner.kv_cache_bytes(),
             "kv_blocks_total": block_manager.num_blocks,
             "kv_blocks_used": block_manager.num_used_blocks,
             "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
@@ -169,6 +193,78 @@ class LLMEngine:
             "cow_copies": block_manager.num_cow_copies,
             "preemptions": self.scheduler.num_preemptions,
         }
+
+    def weight_update(self, version: int | None = None, full: bool = True,
+                      alias: bool = False) -> WeightUpdate:
+        """Begin a staged weight update (``load`` tensors, then ``commit`` or ``abort``).
+
+        See ``tandem.sync.WeightUpdate``; as a context manager it commits on exit and aborts
+        on an exception.
+        """
+        return WeightUpdate(self, version, full, alias)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None, full: bool = True,
+                       alias: bool = False) -> int:
+        """Load and commit an update in one call; returns the new weight version.
+
+        Raises:
+            WeightUpdateError: when a tensor is refused or a full update is incomplete; the
+                engine keeps serving its previous weights.
+        """
+        update = self.weight_update(version, full, alias)
+        update.load(named_tensors)
+        return update.commit()
+
+    def weight_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by Hugging Face name; a tied one under its first name."""
+        return dict(self.runner.model.named_parameters())
+
+    def tied_parameter_names(self) -> set[str]:
+        """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
+        every = {name for name, _ in self.runner.model.named_parameters(remove_duplicate=False)}
+        return every - set(self.weight_parameters())
+
+    def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
+                       alias: bool) -> None:
+        """Swap staged tensors in between steps; bump the version and the prefix-cache key."""
+        with self.lock, torch.no_grad():
+            parameters = self.weight_parameters()
+            for name, tensor in staged.items():
+                if alias:
+                    parameters[name].data = tensor
+                else:
+                    parameters[name].copy_(tensor)
+            self.weight_version = version
+            self.block_manager.extra_key = (version, None)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
+
+        Raises:
+            ValueError: for a level other than 1 or 2, or while requests are unfinished.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is invalid: use 1 (free the KV pool) or 2 "
+                             "(also move the weights to CPU).")
+        if self.has_unfinished_requests():
+            raise ValueError("cannot sleep with unfinished requests: let them finish or abort "
+                             "them first.")
+        with self.lock:
+            self.runner.free_kv_cache()
+            if level == 2:
+                self.runner.offload_weights()
+            self.sleep_level = level
+
+    def wake_up(self) -> None:
+        """Restore the weights to the device, then a fresh (empty) KV pool."""
+        with self.lock:
+            if self.sleep_level == 2:
+                self.runner.reload_weights()
+            if self.sleep_level:
+                self.runner.allocate_kv_cache(self.num_kv_blocks)
+                self._new_pool()
+            self.sleep_level = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block; later requests recompute their prompts."""

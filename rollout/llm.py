@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
+
+from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
 from .engine import LLMEngine
@@ -97,6 +100,34 @@ class LLM:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block."""
         self.engine.reset_prefix_cache()
+
+    def weight_update(self, version: int | None = None, full: bool = True,
+                      alias: bool = False) -> WeightUpdate:
+        """Begin a staged weight update (``load`` any number of times, then ``commit``).
+
+        ``with llm.weight_update() as update: update.load(named_tensors)`` commits on exit
+        and aborts on an exception.
+        """
+        return self.engine.weight_update(version, full, alias)
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None, full: bool = True,
+                       alias: bool = False) -> int:
+        """Push new weights (Hugging Face or trainer-wrapped names) in one call.
+
+        A full update (the default) must carry every parameter. Returns the new weight
+        version. Raises ``WeightUpdateError`` on a refused tensor; the old weights keep
+        serving.
+        """
+        return self.engine.update_weights(named_tensors, version, full, alias)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 2: also move weights to CPU) while the trainer steps."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore the weights and a fresh KV pool after ``sleep``."""
+        self.engine.wake_up()
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

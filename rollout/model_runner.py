@@ -59,6 +59,36 @@ class ModelRunner:
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV pool holds (0 while freed)."""
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def free_kv_cache(self) -> None:
+        """Release the KV pool's memory (``allocate_kv_cache`` restores a fresh one)."""
+        self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+        for attention in self.model.attention_layers():
+            attention.k_cache = attention.v_cache = self.kv_cache
+        self._return_cached_device_memory()
+
+    def offload_weights(self) -> None:
+        """Move the weights to CPU memory (a no-op on CPU)."""
+        self.model.to("cpu")
+        self._move_rotary("cpu")
+        self._return_cached_device_memory()
+
+    def reload_weights(self) -> None:
+        """Move the weights back to the engine's device."""
+        self.model.to(self.device)
+        self._move_rotary(self.device)
+
+    def _return_cached_device_memory(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand freed memory back to the trainer, not our cache
+
+    def _move_rotary(self, device: torch.device | str) -> None:
+        rotary = self.model.model.rotary_emb
+        rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run ``batch``'s forward pass and sample for the sequences that finish their chunk.

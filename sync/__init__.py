@@ -1,2 +1,8 @@
-"""Weight updates from a trainer into a running engine (the staged protocol comes with the
-weight-update issue)."""
+"""Weight updates from a trainer into a running engine: one staged protocol, several
+transports (in-process copy or alias; a torch.distributed group), names mapped from trainer
+wrappers to Hugging Face's."""
+
+from .names import engine_name
+from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError
+
+__all__ = ["UpdateTarget", "WeightUpdate", "WeightUpdateError", "engine_name"]
