@@ -20,6 +20,7 @@ from .block_manager import BlockManager, num_blocks_for
 from .config import CPU_KV_CACHE_BYTES, EngineConfig
 from .default_model import resolve_model
 from .errors import EngineAsleepError
+from .memory import MemoryPlan, activation_bytes, plan_memory
 from .model_runner import ModelRunner, kv_block_bytes
 from .models import architecture_of
 from .output_processor import OutputProcessor
@@ -46,6 +47,7 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = _max_model_len(config, hf_config)
+        self.memory_plan: MemoryPlan | None = None  # set when sized from a device share
         device = config.torch_device
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
@@ -175,10 +177,15 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int]:
-        """Memory held, KV pool use, queue lengths, weight version, prefix-cache and sharing
-        counters."""
+        """The engine's counters.
+
+        Memory held (and, when sized from a device share, the plan's parts as
+        ``memory_*``), KV pool use, queue lengths, weight version, prefix-cache hits,
+        copy-on-write copies and preemptions.
+        """
         block_manager = self.block_manager
-        return {
+        plan = self.memory_plan.as_stats() if self.memory_plan else {}
+        return plan | {
             "sleep_level": self.sleep_level,
             "weight_bytes": self.runner.weight_bytes(),
             "kv_cache_bytes": self.runner.kv_cache_bytes(),
@@ -291,7 +298,7 @@ class LLMEngine:
         elif config.torch_device.type == "cpu":
             num_blocks = CPU_KV_CACHE_BYTES // block_bytes
         else:
-            num_blocks = self._device_budget_bytes(hf_config) // block_bytes
+            num_blocks = self._device_kv_bytes(hf_config) // block_bytes
         needed = num_blocks_for(self.max_model_len, config.block_size)
         if num_blocks < needed:
             raise ValueError(
@@ -301,15 +308,13 @@ class LLMEngine:
                 "kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len.")
         return num_blocks
 
-    def _device_budget_bytes(self, hf_config: PretrainedConfig) -> int:
-        """This engine's share of device memory minus its weights and activation peak."""
+    def _device_kv_bytes(self, hf_config: PretrainedConfig) -> int:
         config = self.config
-        total = torch.cuda.get_device_properties(config.torch_device).total_memory
-        utilization = config.gpu_memory_utilization or 0.9
-        activations = config.max_num_batched_tokens * (
-            4 * hf_config.hidden_size + 3 * hf_config.intermediate_size) * 4
-        logits = config.max_num_seqs * hf_config.vocab_size * 4 * 4
-        return max(0, int(utilization * total) - self.runner.weight_bytes() - activations - logits)
+        self.memory_plan = plan_memory(
+            torch.cuda.get_device_properties(config.torch_device).total_memory,
+            config.gpu_memory_utilization or 0.9, self.runner.weight_bytes(),
+            activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs))
+        return self.memory_plan.kv_cache_bytes
 
 
 def _load_tokenizer(model_dir: Path):
