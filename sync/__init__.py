@@ -2,7 +2,9 @@
 transports (in-process copy or alias; a torch.distributed group), names mapped from trainer
 wrappers to Hugging Face's."""
 
+from .lora import LoraSpec, LoraSync, peft_adapter_state
 from .names import engine_name
 from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError
 
-__all__ = ["UpdateTarget", "WeightUpdate", "WeightUpdateError", "engine_name"]
+__all__ = ["LoraSpec", "LoraSync", "UpdateTarget", "WeightUpdate", "WeightUpdateError",
+           "engine_name", "peft_adapter_state"]

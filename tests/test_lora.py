@@ -1,0 +1,205 @@
+"""LoRA adapters merged into a running engine: equal to peft's merge, no drift, atomic faults."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.rollout import LLM, SamplingParams, WeightUpdateError
+from tandem.sync import LoraSpec, LoraSync, peft_adapter_state
+
+peft = pytest.importorskip("peft")
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+SAMPLED = SamplingParams(temperature=0.7, seed=11, max_tokens=12, ignore_eos=True, logprobs=0)
+PROMPTS = [[5, 9, 33, 70, 2, 81, 100, 4, 17, 3, 44, 12, 200, 7, 8, 9, 10, 11, 12, 13, 14, 15],
+           [40, 41, 42]]
+UP_A = "base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"
+UP_B = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+
+
+def hf_model(folder):
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def lora_model(base, seed: int = 0, **options):
+    """``base`` wrapped by peft with a random (non-zero) adapter on every linear layer."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False,
+                             **options)
+    return peft.get_peft_model(base, config)
+
+
+def perturb_adapter(model, generator: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.02 * torch.randn(param.shape, generator=generator))
+
+
+def generations(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    outputs = llm.generate(PROMPTS * 2, [GREEDY] * 2 + [SAMPLED] * 2, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+def assert_same_generations(actual, expected) -> None:
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(actual, expected, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs),
+                                   rtol=0, atol=1e-5)
+
+
+def merged_weights(model) -> dict[str, torch.Tensor]:
+    """peft's own merge of ``model`` (which it unwraps in place)."""
+    return model.merge_and_unload().state_dict()
+
+
+def merged_engine(weights: dict[str, torch.Tensor], folder, path) -> LLM:
+    """A fresh engine loaded from ``weights`` saved with ``folder``'s config and tokenizer."""
+    model = hf_model(folder)
+    model.load_state_dict(weights)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((folder / name).read_bytes())
+    return LLM(str(path))
+
+
+def assert_engine_weights(llm: LLM, expected: dict[str, torch.Tensor]) -> None:
+    for name, weight in llm.engine.weight_parameters().items():
+        torch.testing.assert_close(weight, expected[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_adapter_update_equals_fresh_engine_from_peft_merge(llama_dir, tmp_path):
+    llm = LLM(str(llama_dir))
+    before = generations(llm)
+    model = lora_model(hf_model(llama_dir))
+    version = LoraSync(llm).update(*peft_adapter_state(model))
+    assert version == 1 and llm.stats()["weight_version"] == 1
+    after = generations(llm)
+    assert [tokens for tokens, _ in after] != [tokens for tokens, _ in before]
+    assert_same_generations(after, generations(merged_engine(merged_weights(model), llama_dir,
+                                                             tmp_path)))
+
+
+def test_twenty_updates_do_not_drift(llama_dir, tmp_path):
+    llm = LLM(str(llama_dir))
+    sync = LoraSync(llm)
+    model = lora_model(hf_model(llama_dir), seed=1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        perturb_adapter(model, generator)
+        adapter = [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+        assert ".lora_A.default.weight" in adapter[0][0]
+        sync.update(adapter, model.peft_config["default"])
+    assert llm.stats()["weight_version"] == 20
+    expected = merged_weights(model)
+    assert_engine_weights(llm, expected)
+    assert_same_generations(generations(llm),
+                            generations(merged_engine(expected, llama_dir, tmp_path)))
+
+
+def test_rslora_scale_is_honoured(llama_dir):
+    llm = LLM(str(llama_dir))
+    model = lora_model(hf_model(llama_dir), seed=2, use_rslora=True)
+    tensors, spec = peft_adapter_state(model)
+    assert spec.use_rslora and spec.scale == 4.0
+    LoraSync(llm).update(tensors, {"r": 4, "lora_alpha": 8, "use_rslora": True})
+    assert_engine_weights(llm, merged_weights(model))
+
+
+def test_modules_left_out_return_exactly_to_their_base(llama_dir):
+    llm = LLM(str(llama_dir))
+    sync = LoraSync(llm, base_device="cpu")
+    tensors, spec = peft_adapter_state(lora_model(hf_model(llama_dir), seed=3))
+    sync.update(tensors, spec)
+    sync.update({k: v for k, v in tensors.items() if ".q_proj." in k}, spec)
+    base = hf_model(llama_dir).state_dict()
+    weights = llm.engine.weight_parameters()
+    assert {name for name in weights if not torch.equal(weights[name], base[name])} == {
+        f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)}
+    sync.update({}, spec)
+    assert all(torch.equal(weight, base[name]) for name, weight in weights.items())
+
+
+def faulty_adapters(tensors: dict[str, torch.Tensor]):
+    up = {k: v for k, v in tensors.items() if k not in (UP_A, UP_B)}
+    yield "NaN", {**tensors, UP_B: torch.full_like(tensors[UP_B], float("nan"))}
+    yield "unknown module", {**up, UP_A.replace("layers.0", "layers.9"): tensors[UP_A],
+                             UP_B.replace("layers.0", "layers.9"): tensors[UP_B]}
+    yield "not among target_modules", {**up, UP_A.replace("up_proj", "bogus_proj"): tensors[UP_A],
+                                       UP_B.replace("up_proj", "bogus_proj"): tensors[UP_B]}
+    yield "rank r=4", {**tensors, UP_A: tensors[UP_A][:3], UP_B: tensors[UP_B][:, :3]}
+    yield "makes a", {**tensors, UP_A: tensors[UP_A][:, :-1]}
+    yield "lacks its lora_B", {k: v for k, v in tensors.items() if k != UP_B}
+    yield "not a LoRA", {**tensors, "base_model.model.lm_head.modules_to_save.weight":
+                         tensors[UP_A]}
+    yield "several adapters", {UP_A.replace(".weight", ".default.weight"): tensors[UP_A],
+                               UP_B.replace(".weight", ".other.weight"): tensors[UP_B]}
+
+
+def test_bad_adapter_keeps_previous_weights_serving(llama_dir):
+    llm = LLM(str(llama_dir))
+    sync = LoraSync(llm)
+    model = lora_model(hf_model(llama_dir), seed=4)
+    tensors, spec = peft_adapter_state(model)
+    sync.update(tensors, spec)
+    before = generations(llm)
+    for message, adapter in faulty_adapters(tensors):
+        with pytest.raises(WeightUpdateError, match=message):
+            sync.update(adapter, spec)
+        assert llm.stats()["weight_version"] == 1
+    assert_same_generations(generations(llm), before)
+    perturb_adapter(model, torch.Generator().manual_seed(4))
+    assert sync.update(*peft_adapter_state(model)) == 2
+    assert_engine_weights(llm, merged_weights(model))
+
+
+def shifted_base(folder) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    return {name: weight + 0.05 * torch.randn(weight.shape, generator=generator)
+            for name, weight in hf_model(folder).state_dict().items()}
+
+
+def peft_merge_on(base: dict[str, torch.Tensor], folder, adapter, seed: int):
+    """peft's merge of ``adapter`` over the base weights ``base``."""
+    model = hf_model(folder)
+    model.load_state_dict(base)
+    wrapped = lora_model(model, seed)
+    peft.set_peft_model_state_dict(wrapped, adapter)
+    return merged_weights(wrapped)
+
+
+def test_base_changes_go_through_set_base_or_rebase(llama_dir):
+    llm = LLM(str(llama_dir))
+    sync = LoraSync(llm)
+    tensors, spec = peft_adapter_state(lora_model(hf_model(llama_dir), seed=6))
+    sync.update(tensors, spec)
+    base = shifted_base(llama_dir)
+    expected = peft_merge_on(base, llama_dir, tensors, seed=6)
+    assert sync.set_base(base) == 2
+    assert_engine_weights(llm, expected)
+    llm.update_weights(base.items())
+    with pytest.raises(WeightUpdateError, match="outside LoraSync"):
+        sync.update(tensors, spec)
+    assert llm.stats()["weight_version"] == 3
+    sync.rebase()
+    assert sync.update(tensors, spec) == 4
+    assert_engine_weights(llm, expected)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="r=0"):
+        LoraSpec(r=0, lora_alpha=8)
+    with pytest.raises(ValueError, match="use_dora"):
+        LoraSpec.from_peft(peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
+
+
+def test_engine_and_sync_import_without_peft():
+    code = ("import sys, tandem.rollout, tandem.sync, tandem.sync.lora; "
+            "assert 'peft' not in sys.modules, 'peft was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
