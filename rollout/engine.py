@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -28,6 +28,8 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SequenceStatus, child_seed
+
+WAKE_TAGS = ("weights", "kv_cache")
 
 
 class LLMEngine:
@@ -59,6 +61,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.sleep_level = 0
+        self.weights_offloaded = False
         # Held by every step and by weight commits, so an update lands between steps.
         self.lock = threading.RLock()
         self._seq_ids = itertools.count()
@@ -259,19 +262,33 @@ class LLMEngine:
                              "them first.")
         with self.lock:
             self.runner.free_kv_cache()
-            if level == 2:
+            if level == 2 and not self.weights_offloaded:
                 self.runner.offload_weights()
+                self.weights_offloaded = True
             self.sleep_level = level
 
-    def wake_up(self) -> None:
-        """Restore the weights to the device, then a fresh (empty) KV pool."""
+    def wake_up(self, tags: Collection[str] | None = None) -> None:
+        """Restore what ``sleep`` released: the weights, then a fresh (empty) KV pool.
+
+        ``tags`` (vLLM's) restores only some: ``"weights"`` and/or ``"kv_cache"``, so a
+        colocated trainer can take the weights back before its memory peak is over.
+
+        Raises:
+            ValueError: for an unknown tag.
+        """
+        tags = set(WAKE_TAGS if tags is None else tags)
+        if not tags <= set(WAKE_TAGS):
+            raise ValueError(f"unknown wake_up tags {sorted(tags - set(WAKE_TAGS))}: use "
+                             f"{', '.join(WAKE_TAGS)}.")
         with self.lock:
-            if self.sleep_level == 2:
+            if "weights" in tags and self.weights_offloaded:
                 self.runner.reload_weights()
-            if self.sleep_level:
+                self.weights_offloaded = False
+            if "kv_cache" in tags and self.runner.kv_cache_bytes() == 0:
                 self.runner.allocate_kv_cache(self.num_kv_blocks)
                 self._new_pool()
-            self.sleep_level = 0
+            if not self.weights_offloaded and self.runner.kv_cache_bytes() > 0:
+                self.sleep_level = 0
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block; later requests recompute their prompts."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -125,9 +125,9 @@ class LLM:
         """Free the KV pool (level 2: also move weights to CPU) while the trainer steps."""
         self.engine.sleep(level)
 
-    def wake_up(self) -> None:
-        """Restore the weights and a fresh KV pool after ``sleep``."""
-        self.engine.wake_up()
+    def wake_up(self, tags: Collection[str] | None = None) -> None:
+        """Restore the weights and a fresh KV pool after ``sleep`` (``tags``: only some)."""
+        self.engine.wake_up(tags)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         outputs: dict[str, RequestOutput] = {}

@@ -144,7 +144,12 @@ def test_sleep_frees_pool_and_wake_restores_same_output(llama_dir, level):
     assert llm.stats()["kv_cache_bytes"] == 0 and llm.stats()["sleep_level"] == level
     with pytest.raises(EngineAsleepError, match="wake_up"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm.wake_up()
+    llm.wake_up(["weights"])
+    assert llm.stats()["sleep_level"] == level and llm.stats()["kv_cache_bytes"] == 0
+    with pytest.raises(ValueError, match="unknown wake_up tags"):
+        llm.wake_up(["optimizer"])
+    llm.wake_up(["kv_cache"])
+    assert llm.stats()["sleep_level"] == 0
     assert llm.stats()["kv_cache_bytes"] == pool_bytes and llm.stats()["kv_blocks_used"] == 0
     assert completions(llm) == before
 
