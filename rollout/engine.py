@@ -23,6 +23,7 @@ from .errors import EngineAsleepError
 from .memory import MemoryPlan, activation_bytes, plan_memory
 from .model_runner import ModelRunner, kv_block_bytes
 from .models import architecture_of
+from .models.llama import LoraLinear
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -247,6 +248,29 @@ class LLMEngine:
                     parameters[name].copy_(tensor)
             self.weight_version = version
             self.block_manager.extra_key = (version, None)
+
+    def commit_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                    version: int, lora_id: int) -> None:
+        """Serve a run-time LoRA adapter from the next step on (replacing any earlier one).
+
+        ``factors`` maps a weight name (``...q_proj.weight``) to ``(A, B, scale)``; modules
+        left out serve their plain weights. The prefix-cache key takes the new version and
+        ``lora_id``.
+
+        Raises:
+            ValueError: for a weight that is not a run-time-LoRA linear layer.
+        """
+        modules = {f"{name}.weight": module for name, module in self.runner.model.named_modules()
+                   if isinstance(module, LoraLinear)}
+        unknown = sorted(set(factors) - set(modules))
+        if unknown:
+            raise ValueError(f"no run-time LoRA layer for {unknown[:3]}; adapters apply to the "
+                             "q/k/v/o and gate/up/down projections.")
+        with self.lock:
+            for name, module in modules.items():
+                module.set_lora(factors.get(name))
+            self.weight_version = version
+            self.block_manager.extra_key = (version, lora_id)
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.

@@ -1,4 +1,4 @@
-"""LoRA adapter updates into a running engine, merged into the base weights.
+"""LoRA adapter updates into a running engine: merged into the base weights, or at run time.
 
 A LoRA adapter changes a linear weight ``W0`` of shape ``[out, in]`` by
 ``scale · (B @ A)``, with ``A`` ``[r, in]``, ``B`` ``[out, r]`` and ``scale`` ``alpha / r``
@@ -16,6 +16,10 @@ engine's version has moved without it. New base weights go through ``LoraSync.se
 elsewhere, ``LoraSync.rebase`` adopts the engine's weights as the new ``W0``. Do not mix it
 with aliased updates (``alias=True``): its copies would write into the trainer's tensors.
 
+Run-time mode (``LoraSync(llm, mode="runtime")``) leaves the weights alone: the engine adds
+``scale · (x A^T) B^T`` in each targeted layer, and each update gets a new LoRA id in the
+prefix-cache key. Its output equals the merged model's within float tolerance.
+
 peft is imported only by ``peft_adapter_state``; the rest needs torch alone.
 """
 
@@ -30,7 +34,7 @@ from typing import Any
 import torch
 
 from .names import engine_name
-from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError
+from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError, check_finite, next_version
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
@@ -188,13 +192,24 @@ class LoraSync:
         llm_or_engine: an ``LLM`` (its engine is used) or any ``UpdateTarget``.
         base_device: where the ``W0`` copies live (default: beside the engine's weights;
             ``"cpu"`` keeps them off the accelerator at the cost of merging there).
+        mode: ``"merge"`` (default) folds the adapter into the weights; ``"runtime"`` leaves
+            the weights alone and has the engine add ``scale (x A^T) B^T`` in each targeted
+            layer (no base copies kept; each update is a new LoRA id in the prefix-cache key).
 
     See the module docstring for who may change the targeted weights.
+
+    Raises:
+        ValueError: for an unknown mode.
     """
 
-    def __init__(self, llm_or_engine: Any, base_device: str | torch.device | None = None) -> None:
+    def __init__(self, llm_or_engine: Any, base_device: str | torch.device | None = None,
+                 mode: str = "merge") -> None:
+        if mode not in ("merge", "runtime"):
+            raise ValueError(f"mode={mode!r} is invalid: use 'merge' or 'runtime'.")
         self.engine: UpdateTarget = getattr(llm_or_engine, "engine", llm_or_engine)
         self.base_device = base_device
+        self.mode = mode
+        self.lora_id = 0
         self.bases: dict[str, torch.Tensor] = {}
         self.factors: dict[str, LoraFactors] = {}
         self.weight_version = self.engine.weight_version
@@ -213,6 +228,8 @@ class LoraSync:
                 previous weights.
         """
         factors = adapter_factors(adapter_named_tensors, as_lora_spec(config))
+        if self.mode == "runtime":
+            return self._update_runtime(factors, version)
         self._check_owner()
         parameters = self.engine.weight_parameters()
         bases = dict(self.bases)
@@ -224,6 +241,21 @@ class LoraSync:
         update.load(_merged_weights(bases, factors))
         self._committed(update, bases, factors)
         return self.weight_version
+
+    def _update_runtime(self, factors: dict[str, LoraFactors], version: int | None) -> int:
+        parameters = self.engine.weight_parameters()
+        for weight, module_factors in factors.items():
+            if weight not in parameters:
+                raise WeightUpdateError(f"unknown module: the engine has no weight {weight!r}.")
+            _check_fits(weight, module_factors, parameters[weight])
+            check_finite(weight, module_factors.lora_a)
+            check_finite(weight, module_factors.lora_b)
+        version = next_version(self.engine, version)
+        self.engine.commit_lora({w: (f.lora_a, f.lora_b, f.scale) for w, f in factors.items()},
+                                version, self.lora_id + 1)
+        self.lora_id += 1
+        self.weight_version = version
+        return version
 
     def set_base(self, named_tensors: NamedTensors, version: int | None = None,
                  full: bool = True) -> int:

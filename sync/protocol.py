@@ -58,12 +58,8 @@ class WeightUpdate(AbstractContextManager):
 
     def __init__(self, target: UpdateTarget, version: int | None = None, full: bool = True,
                  alias: bool = False) -> None:
-        version = target.weight_version + 1 if version is None else version
-        if version <= target.weight_version:
-            raise ValueError(f"weight version {version} is not above the engine's current "
-                             f"{target.weight_version}: pass a larger version or None.")
         self.target = target
-        self.version = version
+        self.version = next_version(target, version)
         self.full = full
         self.alias = alias
         self.parameters = target.weight_parameters()
@@ -126,7 +122,7 @@ class WeightUpdate(AbstractContextManager):
                                     "or use full=False for a partial update).")
         if self.alias:
             for name, tensor in self.staged.items():
-                _check_finite(name, tensor)
+                check_finite(name, tensor)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -152,11 +148,25 @@ class WeightUpdate(AbstractContextManager):
                     f"engine runs {param.dtype} on {param.device}; update by copy instead.")
             return tensor.detach()
         staged = tensor.detach().to(device=param.device, dtype=param.dtype, copy=True)
-        _check_finite(name, staged)
+        check_finite(name, staged)
         return staged
 
 
-def _check_finite(name: str, tensor: torch.Tensor) -> None:
+def next_version(target: UpdateTarget, version: int | None) -> int:
+    """The version an update moves ``target`` to: ``version``, or the current one plus one.
+
+    Raises:
+        ValueError: for a version not above the target's current one.
+    """
+    version = target.weight_version + 1 if version is None else version
+    if version <= target.weight_version:
+        raise ValueError(f"weight version {version} is not above the engine's current "
+                         f"{target.weight_version}: pass a larger version or None.")
+    return version
+
+
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """Raise WeightUpdateError when ``tensor`` holds NaN or infinite values."""
     if not bool(torch.isfinite(tensor).all()):
         raise WeightUpdateError(f"weight {name!r} holds NaN or infinite values (in the "
                                 "engine's dtype); nothing was applied.")

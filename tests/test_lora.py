@@ -203,3 +203,29 @@ def test_engine_and_sync_import_without_peft():
     code = ("import sys, tandem.rollout, tandem.sync, tandem.sync.lora; "
             "assert 'peft' not in sys.modules, 'peft was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runtime_adapter_equals_merged_model_and_can_be_removed(llama_dir, tmp_path):
+    llm = LLM(str(llama_dir))
+    before = generations(llm)
+    sync = LoraSync(llm, mode="runtime")
+    model = lora_model(hf_model(llama_dir), seed=3)
+    tensors, spec = peft_adapter_state(model)
+    sync.update(tensors, spec)
+    weights_before = {n: w.clone() for n, w in llm.engine.weight_parameters().items()}
+    # Greedy rows only: a seeded sample can flip where its uniform draw falls within float
+    # tolerance of a boundary between two tokens' cumulative probabilities.
+    runtime = generations(llm)[:2]
+    expected = generations(merged_engine(merged_weights(model), llama_dir, tmp_path))[:2]
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(runtime, expected, strict=True):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs),
+                                   rtol=0, atol=1e-4)
+    for name, weight in llm.engine.weight_parameters().items():
+        assert torch.equal(weight, weights_before[name])  # the weights themselves untouched
+    assert sync.update({}, spec) == 2
+    assert generations(llm) == before
+    bad = {k: (v.clone().fill_(float("nan")) if "lora_B" in k else v) for k, v in tensors.items()}
+    with pytest.raises(WeightUpdateError, match="NaN"):
+        sync.update(bad, spec)
+    assert llm.stats()["weight_version"] == 2

@@ -30,6 +30,35 @@ class ArchitectureSpec:
     bias_from_config: bool = False
 
 
+class LoraLinear(nn.Linear):
+    """A linear layer that can add a LoRA adapter at run time: ``x W^T + s (x A^T) B^T``.
+
+    The factors are non-persistent buffers, so they follow the model across devices.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+        self.lora_scale = 0.0
+
+    def set_lora(self, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        """Serve ``(A [r, in], B [out, r], scale)`` from now on, or no adapter (None)."""
+        if factors is None:
+            self.lora_a = self.lora_b = None
+            return
+        lora_a, lora_b, self.lora_scale = factors
+        self.lora_a = lora_a.to(self.weight.device, self.weight.dtype)
+        self.lora_b = lora_b.to(self.weight.device, self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear map, plus the adapter's low-rank term when one is set."""
+        out = super().forward(x)
+        if self.lora_a is None:
+            return out
+        return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 as transformers does."""
 
@@ -58,10 +87,10 @@ class LlamaAttention(nn.Module):
         qkv_bias, o_bias = spec.qkv_bias or config_bias, spec.o_bias or config_bias
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        self.q_proj = LoraLinear(hidden, q_size, bias=qkv_bias)
+        self.k_proj = LoraLinear(hidden, kv_size, bias=qkv_bias)
+        self.v_proj = LoraLinear(hidden, kv_size, bias=qkv_bias)
+        self.o_proj = LoraLinear(q_size, hidden, bias=o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -89,9 +118,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = LoraLinear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
