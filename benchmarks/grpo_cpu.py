@@ -1,53 +1,97 @@
 """The grpo-cpu benchmark: Tandem against Hugging Face ``generate`` and ``generate_batch``.
 
-Workload (DESIGN.md, "Benchmarks (fixed workloads)"): the embedded SmolLM2-135M-Instruct
-in float32 with ``torch.set_num_threads(2)``; eight arithmetic user messages with the chat
-template applied (``add_generation_prompt=True``); n=8 samples each (64 sequences),
-temperature 1.0, top_p 1.0, no top-k, at most 64 new tokens.
+Workloads (``--workload``), on the embedded SmolLM2-135M-Instruct with
+``torch.set_num_threads(2)``, sampling at temperature 1.0, top_p 1.0, no top-k:
+
+- ``grpo`` (default; DESIGN.md, "Benchmarks (fixed workloads)"): eight arithmetic user
+  messages with the chat template applied (``add_generation_prompt=True``), n=8 samples each
+  (64 sequences), at most 64 new tokens.
+- ``heavy``: 16 prompts of about 200 tokens, n=16 (256 sequences), at most 128 new tokens.
+  User message i (0..15) is ``"Exercise {i+1}. "`` followed by the words of ``PARAGRAPH``,
+  read cyclically from word 7*i; words are added one at a time until the chat-templated
+  prompt is at least 200 tokens long (200-203 tokens).
 
 The figure is generated tokens per second, counting each sequence's tokens up to and
 including its first EOS, timed around the generation call alone after one untimed warm-up
-call, and its ratio to two references run on the same machine in the same process:
+call, and its ratio to two references run on the same machine in the same command:
 
-- ``generate``: Hugging Face ``model.generate`` on the 8 prompts as one left-padded batch
-  with ``num_return_sequences=8``, one call;
-- ``generate_batch``: transformers' continuous batching, the 8 prompts repeated 8 times,
-  with a paged cache sized for the workload (every sequence's prompt plus ``max_tokens``)
-  and kept between calls, so that allocating it happens in the warm-up call, as Tandem
-  allocates its KV pool when ``LLM`` is built.
+- ``generate``: Hugging Face ``model.generate`` on the prompts as one left-padded batch
+  with ``num_return_sequences=n``, one call (256 rows for ``heavy``);
+- ``generate_batch``: transformers' continuous batching, each prompt repeated n times,
+  with a paged cache sized for the workload (every sequence's prompt plus ``max_tokens``;
+  at most all prompt tokens, capped at transformers' default of 8192, per batch) and kept
+  between calls, so that allocating it happens in the warm-up call, as Tandem allocates its
+  KV pool when ``LLM`` is built.
 
-Peak RSS is printed at the end; it covers every engine the process ran, so memory must be
-compared between separate processes (``--only``).
+Tandem runs with its defaults (``max_num_seqs=256``, on CPU a 1 GiB KV pool). Its prefix
+cache is reset before every call, so the timed call prefills the prompts again instead of
+reusing the warm-up call's blocks, as a GRPO step with fresh prompts would.
+
+Each (engine, dtype) runs in its own subprocess (``--only ENGINE --dtype D --json``), so the
+peak resident memory (``ru_maxrss``) printed for each row is that engine's alone. The rows
+are Tandem, ``generate`` and ``generate_batch`` in float32, then Tandem and ``generate`` in
+bfloat16 (both sides in the same dtype).
+
+The "linear floor" row is the time the model's linear layers alone need for the work the
+timed Tandem call did, measured in Tandem's subprocess right after it (after its peak
+memory is read): one prefill step over every prompt token (a group's prompt is prefilled
+once; the LM head on one row per prompt), then decode steps t = 1 .. longest-1 whose batch
+is the number of sequences that generated more than t tokens (the LM head on the same rows).
+For each step, ``torch.nn.functional.linear`` runs with the real weights (q, k, v, o, gate,
+up and down projections of every layer, then the LM head) on random inputs of the step's
+row count; the sum over one timed pass, after an untimed one, is the floor's seconds, and
+the generated tokens over it its tok/s. Tandem's "of floor" column is its tok/s over that.
+
+The last column, "others' CPU", is the share of the machine's CPU time that other processes
+used during the timed call (``/proc/stat`` less this process's own CPU time): on a 2-core
+machine any other work distorts the timings, so trust only rows where it is near 0%.
 
 Run::
 
     python benchmarks/grpo_cpu.py
-    python benchmarks/grpo_cpu.py --only tandem --repeats 3
+    python benchmarks/grpo_cpu.py --workload heavy
+    python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import json
 import logging
 import math
 import resource
+import subprocess
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from common import (
+    DTYPES,
+    NUM_THREADS,
+    Run,
+    chat_prompt_ids,
+    load_hf_model,
+    measure,
+    model_folder,
+    print_table,
+    setup_torch,
+    timed,
+    tokens_until_eos,
+)
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     ContinuousBatchingConfig,
     GenerationConfig,
+    PreTrainedTokenizerBase,
 )
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.default_model import embedded_model_dir
 
-MESSAGES = [
+GRPO_MESSAGES = [
     "What is 2+3?",
     "What is 17*4?",
     "What is 125-48?",
@@ -57,19 +101,53 @@ MESSAGES = [
     "What is 36+57?",
     "What is 3 cubed?",
 ]
-N_SAMPLES = 8
-NUM_THREADS = 2
+PARAGRAPH = (
+    "Arithmetic is the study of numbers and of the four basic operations on them: addition, "
+    "subtraction, multiplication and division. Adding 27 and 15 gives 42, and taking 15 away "
+    "from 42 brings us back to 27. Multiplying 12 by 12 gives 144, and dividing 144 by 12 "
+    "gives 12 again. Every whole number greater than one is either prime, like 2, 3, 5, 7 and "
+    "11, or a product of primes, like 12, which is 2 times 2 times 3. Fractions such as one "
+    "half and three quarters describe parts of a whole, and the order of operations says that "
+    "multiplication comes before addition, so 2 plus 3 times 4 is 14, not 20. Solve each "
+    "problem step by step and give the final answer as a number."
+)
+HEAVY_PROMPTS = 16
+HEAVY_PROMPT_TOKENS = 200
+HEAVY_WORD_STEP = 7
+WORKLOADS = {"grpo": (8, 64), "heavy": (16, 128)}  # name: (n, max_tokens)
 ENGINES = ("tandem", "generate", "generate_batch")
-REFERENCE = "generate"
+ENGINES_BY_DTYPE = {"float32": ENGINES, "bfloat16": ("tandem", "generate")}
+FLOOR = "linear floor"
+ROW_ORDER = (*ENGINES, FLOOR)
 PAGE_SIZE = 16
+MAX_BATCH_TOKENS = 8192
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+               ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
+               ("mlp", "down_proj"))
 
 
 @dataclass
-class Run:
-    """One timed generation call: how many tokens it produced and how long it took."""
+class Workload:
+    """The tokenized prompts and the sampling limits shared by every engine."""
 
+    name: str
+    prompt_ids: list[list[int]]
+    n: int
+    max_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass
+class Row:
+    """One row of the table: an engine (or the floor) in one dtype, and its peak RSS."""
+
+    engine: str
+    dtype: str
     tokens: int
     seconds: float
+    others_cpu: float
+    peak_rss_mib: float | None
 
     @property
     def tok_s(self) -> float:
@@ -77,69 +155,70 @@ class Run:
         return self.tokens / self.seconds
 
 
-@dataclass
-class Workload:
-    """The tokenized prompts and the sampling limits shared by every engine."""
-
-    prompt_ids: list[list[int]]
-    eos_token_id: int
-    pad_token_id: int
-    max_tokens: int
-
-
 def parse_args() -> argparse.Namespace:
     """Parse the command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="model dtype on every engine (default: float32)")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="grpo",
+                        help="grpo (8 prompts x n=8, 64 tokens) or heavy (16 x n=16, 128)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="model dtype on every engine (default: float32 with --only, "
+                             "else both float32 and bfloat16)")
     parser.add_argument("--only", choices=ENGINES, default=None,
-                        help="run a single engine (to compare peak memory between processes)")
+                        help="run a single engine in this process (tandem adds the floor)")
+    parser.add_argument("--json", action="store_true",
+                        help="with --only: print the rows as one JSON line instead of a table")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed calls per engine after the warm-up; the median is reported")
-    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per sequence")
-    return parser.parse_args()
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="new tokens per sequence (default: the workload's)")
+    args = parser.parse_args()
+    if args.json and not args.only:
+        parser.error("--json needs --only")
+    return args
 
 
-def tokens_until_eos(tokens: list[int], eos_token_id: int) -> int:
-    """Count ``tokens`` up to and including the first EOS (all of them when there is none)."""
-    return tokens.index(eos_token_id) + 1 if eos_token_id in tokens else len(tokens)
+def cycled_words(words: list[str], start: int, count: int) -> str:
+    """``count`` words of ``words`` read cyclically from index ``start``, joined by spaces."""
+    return " ".join(itertools.islice(itertools.cycle(words), start, start + count))
 
 
-def build_workload(folder: Path, max_tokens: int) -> Workload:
-    """Apply the chat template to every message and tokenize the result."""
+def heavy_prompt_ids(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
+    """The heavy workload's prompts: ``PARAGRAPH`` words, cycled, to >= 200 templated tokens."""
+    words = PARAGRAPH.split()
+    prompts = []
+    for index in range(HEAVY_PROMPTS):
+        ids: list[int] = []
+        count = 0
+        while len(ids) < HEAVY_PROMPT_TOKENS:
+            count += 1
+            text = cycled_words(words, index * HEAVY_WORD_STEP, count)
+            ids = chat_prompt_ids(tokenizer, f"Exercise {index + 1}. {text}")
+        prompts.append(ids)
+    return prompts
+
+
+def build_workload(folder: Path, name: str, max_tokens: int | None) -> Workload:
+    """Tokenize the workload ``name``'s prompts; ``max_tokens`` overrides its default."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompt_ids = []
-    for message in MESSAGES:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
-                                             add_generation_prompt=True, tokenize=False)
-        prompt_ids.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return Workload(prompt_ids, tokenizer.eos_token_id, tokenizer.pad_token_id, max_tokens)
-
-
-def measure(call: Callable[[], int], repeats: int) -> Run:
-    """Run ``call`` once untimed, then ``repeats`` times timed; return the median run by tok/s.
-
-    ``call`` returns the number of generated tokens it produced.
-    """
-    call()
-    runs = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = call()
-        runs.append(Run(tokens, time.perf_counter() - start))
-    runs.sort(key=lambda run: run.tok_s)
-    return runs[(len(runs) - 1) // 2]
+    if name == "heavy":
+        prompt_ids = heavy_prompt_ids(tokenizer)
+    else:
+        prompt_ids = [chat_prompt_ids(tokenizer, message) for message in GRPO_MESSAGES]
+    n, default_max_tokens = WORKLOADS[name]
+    return Workload(name, prompt_ids, n, max_tokens or default_max_tokens,
+                    tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
 def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
-    """Time Tandem's ``LLM.generate`` on the workload."""
+    """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call."""
     llm = LLM(str(folder), dtype=dtype)
-    params = SamplingParams(n=N_SAMPLES, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
+    params = SamplingParams(n=work.n, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
 
-    def call() -> int:
+    def call() -> list[int]:
+        llm.reset_prefix_cache()
         outputs = llm.generate(work.prompt_ids, params, use_tqdm=False)
-        return sum(tokens_until_eos(list(completion.token_ids), work.eos_token_id)
-                   for output in outputs for completion in output.outputs)
+        return [tokens_until_eos(completion.token_ids, work.eos_token_id)
+                for output in outputs for completion in output.outputs]
 
     return measure(call, repeats)
 
@@ -164,16 +243,16 @@ def sampling_config(work: Workload, num_return_sequences: int) -> GenerationConf
 
 
 def bench_generate(model: torch.nn.Module, work: Workload, repeats: int) -> Run:
-    """Time Hugging Face ``generate``: one left-padded batch, ``num_return_sequences=8``."""
+    """Time Hugging Face ``generate``: one left-padded batch, ``num_return_sequences=n``."""
     input_ids, attention_mask = left_padded_batch(work)
-    config = sampling_config(work, N_SAMPLES)
+    config = sampling_config(work, work.n)
 
-    def call() -> int:
+    def call() -> list[int]:
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                  generation_config=config)
-        new_tokens = out[:, input_ids.shape[1]:].tolist()
-        return sum(tokens_until_eos(row, work.eos_token_id) for row in new_tokens)
+        return [tokens_until_eos(row, work.eos_token_id)
+                for row in out[:, input_ids.shape[1]:].tolist()]
 
     return measure(call, repeats)
 
@@ -182,35 +261,36 @@ def cache_config(work: Workload) -> ContinuousBatchingConfig:
     """A continuous-batching config whose paged cache holds the whole workload at once.
 
     On CPU, transformers otherwise sizes the cache (and its preallocated attention mask)
-    from ~90% of the machine's RAM.
+    from ~90% of the machine's RAM. The mask is ``max_batch_tokens`` rows by the cache's
+    tokens, hence the cap on ``max_batch_tokens``.
     """
-    num_requests = N_SAMPLES * len(work.prompt_ids)
+    num_requests = work.n * len(work.prompt_ids)
     longest = max(len(ids) for ids in work.prompt_ids) + work.max_tokens
-    prompt_tokens = N_SAMPLES * sum(len(ids) for ids in work.prompt_ids)
+    prompt_tokens = work.n * sum(len(ids) for ids in work.prompt_ids)
     return ContinuousBatchingConfig(
         page_size=PAGE_SIZE,
         num_blocks=num_requests * math.ceil(longest / PAGE_SIZE),
-        max_batch_tokens=prompt_tokens,
+        max_batch_tokens=min(prompt_tokens, MAX_BATCH_TOKENS),
         max_requests_per_batch=num_requests,
     )
 
 
 def bench_generate_batch(model: torch.nn.Module, work: Workload, repeats: int) -> Run:
-    """Time transformers' continuous batching (``generate_batch``) on the prompts x 8."""
-    inputs = [ids for ids in work.prompt_ids for _ in range(N_SAMPLES)]
+    """Time transformers' continuous batching (``generate_batch``) on the prompts x n."""
+    inputs = [ids for ids in work.prompt_ids for _ in range(work.n)]
     config = sampling_config(work, 1)
     cb_config = cache_config(work)
     # Every call with persistent_manager=True warns that the manager is kept; errors still show.
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
-    def call() -> int:
+    def call() -> list[int]:
         outputs = model.generate_batch(inputs=inputs, generation_config=config,
                                        continuous_batching_config=cb_config,
                                        persistent_manager=True)
         if len(outputs) != len(inputs):
             raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(inputs)} requests")
-        return sum(tokens_until_eos(out.generated_tokens, work.eos_token_id)
-                   for out in outputs.values())
+        return [tokens_until_eos(out.generated_tokens, work.eos_token_id)
+                for out in outputs.values()]
 
     try:
         return measure(call, repeats)
@@ -218,46 +298,50 @@ def bench_generate_batch(model: torch.nn.Module, work: Workload, repeats: int) -
         model.destroy_cached_continuous_batching_manager()
 
 
-def load_hf_model(folder: Path, dtype: str) -> torch.nn.Module:
-    """Load the Hugging Face model in ``dtype`` for inference."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
-    return model.eval()
+def floor_steps(work: Workload, lengths: list[int]) -> list[tuple[int, int]]:
+    """``(rows, LM-head rows)`` of each step of a run whose sequences generated ``lengths``.
+
+    One prefill step over every prompt token (the LM head on one row per prompt), then one
+    decode step per t = 1 .. longest-1 over the sequences that generated more than t tokens.
+    """
+    prefill = (sum(len(ids) for ids in work.prompt_ids), len(work.prompt_ids))
+    batches = [sum(length > t for length in lengths) for t in range(1, max(lengths))]
+    return [prefill, *((batch, batch) for batch in batches)]
 
 
-def run_engines(engines: list[str], folder: Path, dtype: str, work: Workload,
-                repeats: int) -> dict[str, Run]:
-    """Benchmark each engine in ``engines`` in turn."""
-    results: dict[str, Run] = {}
-    if "tandem" in engines:
-        results["tandem"] = bench_tandem(folder, dtype, work, repeats)
-    if "generate" in engines or "generate_batch" in engines:
-        model = load_hf_model(folder, dtype)
-        if "generate" in engines:
-            results["generate"] = bench_generate(model, work, repeats)
-        if "generate_batch" in engines:
-            results["generate_batch"] = bench_generate_batch(model, work, repeats)
-    return results
+def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every layer's q, k, v, o, gate, up and down weights in order, then the LM head's."""
+    weights = [getattr(getattr(layer, block), name).weight
+               for layer in model.model.layers for block, name in PROJECTIONS]
+    return [*weights, model.lm_head.weight]
 
 
-def ratio(run: Run, baseline: Run | None) -> str:
-    """``run``'s tok/s over ``baseline``'s, formatted, or n/a without a baseline."""
-    return f"{run.tok_s / baseline.tok_s:.2f}x" if baseline else "n/a"
+def time_step(weights: list[torch.Tensor], rows: int, head_rows: int) -> float:
+    """Seconds for the linear calls of one step: ``rows`` rows, ``head_rows`` in the LM head."""
+    dtype = weights[0].dtype
+    inputs = {width: torch.randn(rows, width, dtype=dtype)
+              for width in {weight.shape[1] for weight in weights}}
+    head_input = inputs[weights[-1].shape[1]][:head_rows]
+    start = time.perf_counter()
+    for weight in weights[:-1]:
+        torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+    torch.nn.functional.linear(head_input, weights[-1])
+    return time.perf_counter() - start
 
 
-def print_table(results: dict[str, Run]) -> None:
-    """Print one row per engine, with tok/s ratios against both Hugging Face engines."""
-    header = ("engine", "generated tokens", "seconds", "tok/s", "ratio vs generate",
-              "ratio vs generate_batch")
-    rows = [header]
-    for engine in ENGINES:
-        run = results.get(engine)
-        if run is None:
-            continue
-        rows.append((engine, str(run.tokens), f"{run.seconds:.2f}", f"{run.tok_s:.1f}",
-                     ratio(run, results.get(REFERENCE)), ratio(run, results.get("generate_batch"))))
-    widths = [max(len(row[col]) for row in rows) for col in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
+def steps_seconds(weights: list[torch.Tensor], steps: list[tuple[int, int]]) -> float:
+    """Summed seconds of the linear calls of every step in ``steps``."""
+    return sum(time_step(weights, rows, head_rows) for rows, head_rows in steps)
+
+
+def linear_floor(folder: Path, dtype: str, steps: list[tuple[int, int]]) -> tuple[float, float]:
+    """Seconds the linear layers take over ``steps`` (after one untimed pass), and the other
+    processes' CPU share meanwhile."""
+    weights = linear_weights(load_hf_model(folder, dtype))
+    with torch.inference_mode():
+        steps_seconds(weights, steps)
+        seconds, _, others_cpu = timed(lambda: steps_seconds(weights, steps))
+    return seconds, others_cpu
 
 
 def peak_rss_mib() -> float:
@@ -265,20 +349,80 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def run_engine(engine: str, dtype: str, work: Workload, repeats: int) -> list[Row]:
+    """Benchmark ``engine`` in this process; Tandem's rows add the linear floor of its run."""
+    folder = model_folder()
+    if engine == "tandem":
+        run = bench_tandem(folder, dtype, work, repeats)
+        tandem = Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib())
+        floor = linear_floor(folder, dtype, floor_steps(work, run.lengths))
+        return [tandem, Row(FLOOR, dtype, run.tokens, *floor, None)]
+    model = load_hf_model(folder, dtype)
+    bench = bench_generate if engine == "generate" else bench_generate_batch
+    run = bench(model, work, repeats)
+    return [Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib())]
+
+
+def run_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> list[Row]:
+    """Run ``engine`` in ``dtype`` in a fresh Python process and read back its rows."""
+    command = [sys.executable, __file__, "--only", engine, "--dtype", dtype, "--json",
+               "--workload", args.workload, "--repeats", str(args.repeats)]
+    if args.max_tokens:
+        command += ["--max-tokens", str(args.max_tokens)]
+    start = time.perf_counter()
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
+    print(f"  {engine} {dtype}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return [Row(**row) for row in json.loads(result.stdout.splitlines()[-1])]
+
+
+def ratio_cell(row: Row, reference: Row | None) -> str:
+    """``row``'s tok/s over ``reference``'s, formatted, or blank without a reference."""
+    return f"{row.tok_s / reference.tok_s:.2f}x" if reference else ""
+
+
+def table(rows: list[Row]) -> list[tuple[str, ...]]:
+    """The printed table: a header, then one line per row in dtype and engine order."""
+    by_key = {(row.engine, row.dtype): row for row in rows}
+    lines = [("engine", "dtype", "generated tokens", "seconds", "tok/s", "vs generate",
+              "vs generate_batch", "of floor", "peak RSS MiB", "others' CPU")]
+    for dtype, engine in itertools.product(DTYPES, ROW_ORDER):
+        row = by_key.get((engine, dtype))
+        if row is None:
+            continue
+        floor = by_key.get((FLOOR, dtype)) if engine == "tandem" else None
+        batch = by_key.get(("generate_batch", dtype)) if dtype == "float32" else None
+        lines.append((engine, dtype, str(row.tokens), f"{row.seconds:.2f}", f"{row.tok_s:.1f}",
+                      ratio_cell(row, by_key.get(("generate", dtype))), ratio_cell(row, batch),
+                      f"{row.tok_s / floor.tok_s:.0%}" if floor else "",
+                      f"{row.peak_rss_mib:.0f}" if row.peak_rss_mib is not None else "",
+                      f"{row.others_cpu:.0%}"))
+    return lines
+
+
+def describe(work: Workload, args: argparse.Namespace) -> str:
+    """One line naming the workload and the settings of the run."""
+    lengths = sorted(len(ids) for ids in work.prompt_ids)
+    return (f"{work.name}: {len(lengths)} prompts of {lengths[0]}-{lengths[-1]} tokens "
+            f"x n={work.n}, max_tokens={work.max_tokens}, threads={NUM_THREADS}, "
+            f"repeats={args.repeats}")
+
+
 def main() -> None:
-    """Run the grpo-cpu benchmark and print its table."""
+    """Run the benchmark (every engine in its own process, or ``--only`` one) and report."""
     args = parse_args()
-    torch.set_num_threads(NUM_THREADS)
-    torch.manual_seed(0)
-    folder = Path(embedded_model_dir())
-    work = build_workload(folder, args.max_tokens)
-    engines = [args.only] if args.only else list(ENGINES)
-    print(f"grpo-cpu: {len(MESSAGES)} prompts x n={N_SAMPLES}, max_tokens={args.max_tokens}, "
-          f"dtype={args.dtype}, threads={torch.get_num_threads()}, repeats={args.repeats}")
-    results = run_engines(engines, folder, args.dtype, work, args.repeats)
-    print_table(results)
-    print(f"peak RSS: {peak_rss_mib():.0f} MiB for {', '.join(engines)} "
-          "(compare peak memory between separate processes, with --only)")
+    setup_torch()
+    work = build_workload(model_folder(), args.workload, args.max_tokens)
+    if args.only:
+        rows = run_engine(args.only, args.dtype or "float32", work, args.repeats)
+        if args.json:
+            print(json.dumps([dataclasses.asdict(row) for row in rows]))
+            return
+    else:
+        dtypes = [args.dtype] if args.dtype else list(DTYPES)
+        rows = [row for dtype in dtypes for engine in ENGINES_BY_DTYPE[dtype]
+                for row in run_subprocess(engine, dtype, args)]
+    print(describe(work, args))
+    print_table(table(rows))
 
 
 if __name__ == "__main__":
