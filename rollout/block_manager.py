@@ -6,13 +6,14 @@ turns block tables into slot mappings and performs the copy-on-write copies it r
 Prefix cache: a full block's hash chains its parent's hash, an extra key (the weight version
 and LoRA id, so a weight update misses old entries without a scan) and its token ids. A
 freed block keeps its hash, and so its cached content, until it is reused; the free queue
-hands out the least recently freed block first, and a sequence frees its blocks last block
-first, so a chain's tail is evicted before its head.
+hands out the least recently freed block first (and blocks never used only when no freed
+one is left), and a sequence frees its blocks last block first, so a chain's tail is
+evicted before its head.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -58,7 +59,11 @@ class BlockManager:
         # The engine sets this to (weight_version, lora_id) whenever the weights change.
         self.extra_key: Hashable = (0, None)
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # Freed blocks in least-recently-freed order, handed out before blocks never used:
+        # a used block's memory is already resident (on CPU untouched pool pages cost no
+        # memory), and in RL a weight update soon invalidates its cached content anyway.
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict()
+        self.untouched_block_ids: deque[int] = deque(range(num_blocks))
         self.cached_block_ids: dict[int, int] = {}
         self.num_cow_copies = 0
         self.num_queried_tokens = 0
@@ -67,12 +72,12 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds (some may still hold cached content)."""
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.untouched_block_ids)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one sequence."""
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -89,7 +94,7 @@ class BlockManager:
         hits = self._lookup(seq)
         hits_on_free = sum(self.blocks[b].ref_count == 0 for b in hits)
         fresh = num_blocks_for(seq.num_tokens, self.block_size) - len(hits)
-        if fresh + hits_on_free > len(self.free_block_ids):
+        if fresh + hits_on_free > self.num_free_blocks:
             return None
         for block_id in hits:
             self._take(block_id)
@@ -108,7 +113,7 @@ class BlockManager:
 
     def can_append(self, seq: Sequence, num_tokens: int) -> bool:
         """True when the free blocks suffice for ``seq`` to write up to ``num_tokens``."""
-        return self.num_new_blocks(seq, num_tokens) <= len(self.free_block_ids)
+        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
 
     def append(self, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
         """Make ``seq``'s blocks writable up to ``num_tokens`` tokens.
@@ -213,7 +218,11 @@ class BlockManager:
             seq.block_table.append(self._pop_free())
 
     def _pop_free(self) -> int:
-        """The least recently freed block, its old cached content evicted."""
+        """The least recently freed block (its cached content evicted), else an unused one."""
+        if not self.free_block_ids:
+            block_id = self.untouched_block_ids.popleft()
+            self.blocks[block_id].ref_count = 1
+            return block_id
         block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:

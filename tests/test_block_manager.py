@@ -7,6 +7,8 @@ cached hash against it.
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -129,7 +131,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 holders[block_id] += 1
             assert len(seq.block_table) == num_blocks_for(seq.num_tokens, BLOCK_SIZE)
         assert [block.ref_count for block in self.manager.blocks] == holders
-        assert set(self.manager.free_block_ids) == {b for b in range(NUM_BLOCKS)
+        free = set(self.manager.free_block_ids) | set(self.manager.untouched_block_ids)
+        assert len(free) == self.manager.num_free_blocks
+        assert free == {b for b in range(NUM_BLOCKS)
                                                     if holders[b] == 0}
 
     @invariant()
@@ -169,18 +173,18 @@ def test_double_free_is_refused():
 
 
 def test_eviction_takes_least_recently_freed_block_chain_tail_first():
-    manager = BlockManager(4, BLOCK_SIZE)
+    manager = BlockManager(5, BLOCK_SIZE)
     seq = make_seq(0, list(range(3 * BLOCK_SIZE)))
     manager.admit(seq)
     manager.register_full_blocks(seq, seq.num_tokens)
     head, middle, tail = seq.block_table
     manager.free(seq)
     assert manager.num_cached_free_blocks == 3
-    other = make_seq(1, [99] * (2 * BLOCK_SIZE))
+    other = make_seq(1, [99] * BLOCK_SIZE)
     assert manager.admit(other) == 0
-    assert other.block_table == [3, tail]
+    assert other.block_table == [tail]  # freed blocks before untouched ones, the tail first
     assert manager.num_cached_free_blocks == 2
-    manager.free(other)
     again = make_seq(2, list(range(3 * BLOCK_SIZE)))
     assert manager.admit(again) == 2 * BLOCK_SIZE
     assert again.block_table[:2] == [head, middle]
+    assert again.block_table[2] == 3 and manager.untouched_block_ids == deque([4])
