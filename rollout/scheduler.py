@@ -72,10 +72,6 @@ class Scheduler:
         """Queue a new sequence at the back of the waiting queue."""
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        """True while any sequence waits or runs."""
-        return bool(self.waiting or self.running)
-
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences: decodes, then running prefills, then admissions."""
         batch = ScheduledBatch()

@@ -101,20 +101,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         child.num_computed_tokens = parent.num_computed_tokens
         self.seqs.append(child)
 
-    @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
+    def drop(self, data: st.DataObject) -> Sequence:
         seq = data.draw(st.sampled_from(self.seqs))
         self.seqs.remove(seq)
         self.manager.free(seq)
         assert seq.block_table == []
+        return seq
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self.drop(data)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
     def preempt_and_readmit(self, data: st.DataObject) -> None:
-        seq = data.draw(st.sampled_from(self.seqs))
-        self.seqs.remove(seq)
-        self.manager.free(seq)
+        seq = self.drop(data)
         seq.num_computed_tokens = 0
         self.admit_and_prefill(seq)
 
