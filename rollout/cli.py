@@ -1,4 +1,9 @@
-"""The ``tandem`` command line: ``tandem generate --model M --prompt TEXT [-n 8 ...]``."""
+"""The ``tandem`` command line: ``tandem generate --model M --prompt TEXT [-n 8 ...]`` and
+``tandem train RECIPE.yaml [overrides]``.
+
+``train`` lives in ``tandem.trainers`` (which builds on the engine); this module reaches it
+only through the import in ``build_parser``, so the engine never imports trainer code.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="per-request seed")
     generate.add_argument("--dtype", default="auto")
     generate.add_argument("--device", default=None)
+    from tandem.trainers.cli import add_train_parser
+
+    add_train_parser(commands)
     return parser
 
 
@@ -58,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tandem`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train":
+            from tandem.trainers.cli import train
+
+            return train(args)
         generate(args)
     except ValueError as error:
         print(f"tandem: error: {error}", file=sys.stderr)

@@ -1,0 +1,111 @@
+"""GRPO and PPO against a colocated engine on a tiny model: learning, on-policy, resume."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.trainers.config import (
+    LoggingConfig,
+    OptimConfig,
+    PPOConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from tandem.trainers.rewards import RewardError
+from tandem.trainers.tasks import target_token_task
+from tandem.trainers.trainer import Trainer
+
+ENGINE = {"num_kv_blocks": 96, "max_model_len": 128}
+
+
+@pytest.fixture(scope="module")
+def target_token(llama_dir) -> int:
+    """A token the untrained model samples now and then (not the most common one)."""
+    llm = LLM(str(llama_dir), num_kv_blocks=64, max_model_len=128)
+    task = target_token_task(0)
+    prompts = [task.train_example(0, i)["prompt"] for i in range(8)]
+    outputs = llm.generate(prompts, SamplingParams(n=8, max_tokens=8, seed=0), use_tqdm=False)
+    counts = Counter(t for o in outputs for c in o.outputs for t in c.token_ids)
+    return counts.most_common(3)[-1][0]
+
+
+def make_config(llama_dir, tmp_path, target_token: int, **overrides) -> TrainConfig:
+    fields = dict(
+        model=str(llama_dir), task="target_token", task_args={"token_id": target_token},
+        steps=6, seed=0, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=4, num_generations=8, max_tokens=8,
+                              engine=ENGINE),
+        optim=OptimConfig(lr=1e-2, micro_batch_size=12), ppo=PPOConfig(kl_coef=0.01),
+        logging=LoggingConfig(wandb=False, progress_bar=False, console_every=0))
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def mean_reward(history: list[dict[str, float]], steps: slice) -> float:
+    return sum(m["reward"] for m in history[steps]) / len(history[steps])
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_training_raises_reward_and_stays_on_policy(llama_dir, tmp_path, target_token,
+                                                    algorithm):
+    steps = {"grpo": 6, "ppo": 8}[algorithm]
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token, algorithm=algorithm,
+                                  steps=steps))
+    history = [trainer.train_step() for _ in range(steps)]
+    assert mean_reward(history, slice(-2, None)) > 2 * mean_reward(history, slice(0, 2)) + 0.05
+    assert max(m["sampler_logprob_diff_max"] for m in history) < 1e-4
+    assert [m["weight_version"] for m in history] == list(range(1, len(history) + 1))
+
+
+def test_engine_serves_the_trainer_weights_after_each_step(llama_dir, tmp_path, target_token):
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token, steps=2))
+    trainer.train_step()
+    engine = trainer.llm.engine.weight_parameters()
+    for name, tensor in trainer.policy.model.named_parameters():
+        assert torch.equal(engine[name], tensor.detach()), name
+
+
+def test_resume_reproduces_the_next_steps_loss(llama_dir, tmp_path, target_token):
+    config = make_config(llama_dir, tmp_path / "a", target_token, steps=3)
+    trainer = Trainer(config)
+    trainer.train_step()
+    checkpoint = trainer.save_checkpoint()
+    expected = trainer.train_step()
+    resumed = Trainer(make_config(llama_dir, tmp_path / "b", target_token, steps=3,
+                                  resume_from=str(checkpoint)))
+    assert resumed.step == 1
+    again = resumed.train_step()
+    assert again["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7)
+    assert again["reward"] == expected["reward"]
+
+
+def test_lora_training_syncs_only_the_adapter(llama_dir, tmp_path, target_token):
+    config = make_config(llama_dir, tmp_path, target_token, steps=2)
+    config.lora.enabled = True
+    config.lora.r = 4
+    trainer = Trainer(config)
+    history = [trainer.train_step() for _ in range(2)]
+    assert max(m["sampler_logprob_diff_max"] for m in history) < 1e-4
+    assert trainer.llm.engine.weight_version == 2
+
+
+def _raises(**_):
+    raise KeyError("answer")
+
+
+@pytest.mark.parametrize("reward, message", [
+    (_raises, "raised KeyError"),
+    (lambda completions, **_: [float("nan")] * len(completions), "finite number"),
+    (lambda completions, **_: [1.0], "returned 1 values"),
+])
+def test_a_broken_reward_function_is_named(llama_dir, tmp_path, target_token, reward, message):
+    task = target_token_task(target_token)
+    task.rewards["broken"] = reward
+    task.default_rewards = [("broken", 1.0)]
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token), task=task)
+    with pytest.raises(RewardError, match=f"'broken'.*{message}"):
+        trainer.train_step()

@@ -1,0 +1,156 @@
+"""GRPO and PPO: what each computes before a step's backward passes, and each micro-batch's loss.
+
+Both share the loop in ``trainer.py``: ``prepare`` sees the whole step (rewards, and the
+no-grad scores it asks for) and returns per-row or per-token targets; ``loss`` turns one
+micro-batch's log-probs (with gradient) into its share of the step's loss and its metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .config import GRPOConfig, PPOConfig
+from .losses import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    gae,
+    group_advantages,
+    importance_weights,
+    k3_kl,
+    masked_mean,
+    ppo_token_rewards,
+    reduce_loss,
+    whiten,
+)
+
+# (with_values, use_reference) -> (logprobs [B, C], values [B, C] or None), no gradient.
+ScoreFn = Callable[[bool, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(slots=True)
+class StepTargets:
+    """What a step's micro-batches need besides their own log-probs.
+
+    Attributes:
+        advantages: ``[B, 1]`` (GRPO) or ``[B, C]`` (PPO).
+        ref_logprobs: the reference model's log-probs ``[B, C]`` when the loss has a KL term.
+        old_values: PPO's values at sampling time ``[B, C]``.
+        returns: PPO's value targets ``[B, C]``.
+    """
+
+    advantages: torch.Tensor
+    ref_logprobs: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class MicroBatch:
+    """One micro-batch's rows: log-probs with gradient and the step's data for those rows."""
+
+    rows: slice
+    logprobs: torch.Tensor
+    values: torch.Tensor | None
+    sampler_logprobs: torch.Tensor
+    mask: torch.Tensor
+    num_rows: int
+    num_tokens: int
+    max_tokens: int
+
+
+def common_metrics(micro: MicroBatch, old_logprobs: torch.Tensor, raw_ratio: torch.Tensor,
+                   was_clipped: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Importance-ratio, sampler-vs-trainer and clipping metrics of one micro-batch."""
+    mask = micro.mask.bool()
+    diff = (old_logprobs.detach() - micro.sampler_logprobs).abs()[mask]
+    return {"is_ratio_min": raw_ratio[mask].min(), "is_ratio_max": raw_ratio[mask].max(),
+            "is_ratio_mean": raw_ratio[mask].mean(), "sampler_logprob_diff_max": diff.max(),
+            "sampler_logprob_diff_mean": diff.mean(),
+            "clip_fraction": masked_mean(was_clipped, micro.mask)}
+
+
+class GRPO:
+    """Group-relative advantages, the clipped surrogate, an optional k3 KL to the reference."""
+
+    uses_values = False
+
+    def __init__(self, config: GRPOConfig) -> None:
+        self.config = config
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when the loss has a KL term."""
+        return self.config.beta > 0
+
+    def prepare(self, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                score: ScoreFn) -> StepTargets:
+        """Per-completion advantages (and reference log-probs when ``beta > 0``)."""
+        advantages = group_advantages(rewards, group_ids, self.config.scale_rewards)
+        ref_logprobs = score(False, True)[0] if self.needs_reference else None
+        return StepTargets(advantages.unsqueeze(1), ref_logprobs)
+
+    def loss(self, micro: MicroBatch, targets: StepTargets
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the GRPO loss and its metrics."""
+        config = self.config
+        old_logprobs = micro.logprobs.detach()
+        weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs,
+                                          config.importance_sampling_cap)
+        per_token, was_clipped = clipped_policy_loss(
+            micro.logprobs, old_logprobs, targets.advantages[micro.rows], config.epsilon,
+            config.epsilon if config.epsilon_high is None else config.epsilon_high, weights)
+        metrics = common_metrics(micro, old_logprobs, raw, was_clipped)
+        if targets.ref_logprobs is not None:
+            kl = k3_kl(micro.logprobs, targets.ref_logprobs[micro.rows])
+            per_token = per_token + config.beta * kl
+            metrics["kl"] = masked_mean(kl.detach(), micro.mask)
+        loss = reduce_loss(per_token, micro.mask, config.loss_type, micro.num_rows,
+                           micro.num_tokens, micro.max_tokens)
+        return loss, metrics
+
+
+class PPO:
+    """A value head, GAE over per-token KL-penalised rewards, clipped policy and value losses."""
+
+    uses_values = True
+    needs_reference = True
+
+    def __init__(self, config: PPOConfig) -> None:
+        self.config = config
+
+    def prepare(self, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
+                score: ScoreFn) -> StepTargets:
+        """Old values, reference log-probs, per-token rewards and their GAE advantages."""
+        config = self.config
+        old_logprobs, old_values = score(True, False)
+        ref_logprobs = score(False, True)[0]
+        token_rewards = ppo_token_rewards(rewards, old_logprobs, ref_logprobs, mask,
+                                          config.kl_coef)
+        advantages, returns = gae(token_rewards, old_values * mask, mask, config.gamma,
+                                  config.lam)
+        if config.whiten_advantages:
+            advantages = whiten(advantages, mask)
+        return StepTargets(advantages, ref_logprobs, old_values, returns)
+
+    def loss(self, micro: MicroBatch, targets: StepTargets
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """This micro-batch's share of the PPO loss (token mean) and its metrics."""
+        config = self.config
+        old_logprobs = micro.logprobs.detach()
+        weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs,
+                                          config.importance_sampling_cap)
+        policy, was_clipped = clipped_policy_loss(
+            micro.logprobs, old_logprobs, targets.advantages[micro.rows], config.cliprange,
+            config.cliprange, weights)
+        value = clipped_value_loss(micro.values, targets.old_values[micro.rows],
+                                   targets.returns[micro.rows], config.cliprange_value)
+        per_token = policy + config.vf_coef * value
+        metrics = common_metrics(micro, old_logprobs, raw, was_clipped)
+        metrics["value_loss"] = masked_mean(value.detach(), micro.mask)
+        metrics["kl"] = masked_mean(old_logprobs - targets.ref_logprobs[micro.rows], micro.mask)
+        loss = reduce_loss(per_token, micro.mask, "token", micro.num_rows, micro.num_tokens,
+                           micro.max_tokens)
+        return loss, metrics

@@ -1,0 +1,321 @@
+"""The training configuration: dataclasses that a recipe YAML and the command line fill.
+
+One ``TrainConfig`` holds a section per concern (``rollout``, ``optim``, ``grpo``, ``ppo``,
+``lora``, ``logging``). ``load_config`` reads a YAML file, applies ``section.field=value``
+overrides from the command line, and rejects unknown fields with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass(slots=True)
+class RewardConfig:
+    """One reward function and its weight in the total reward.
+
+    Attributes:
+        name: a reward of the task (``correct``, ``format``...) or ``module:function``.
+        weight: its factor in the weighted sum.
+    """
+
+    name: str
+    weight: float = 1.0
+
+
+@dataclass(slots=True)
+class RolloutConfig:
+    """What the engine samples each step.
+
+    Attributes:
+        prompts_per_step: prompts per optimizer step (over all ranks).
+        num_generations: completions per prompt (the GRPO group size).
+        max_tokens: most tokens per completion.
+        temperature: sampling temperature (the trainer scales its logits by it too).
+        top_p: nucleus sampling; below 1 the engine's log-probs are of the truncated
+            distribution, which the trainer does not reproduce.
+        engine: keyword arguments of ``LLM`` (memory, block size, max_num_seqs...).
+        sleep_between_steps: free the engine's KV pool while the trainer steps.
+    """
+
+    prompts_per_step: int = 8
+    num_generations: int = 8
+    max_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    engine: dict[str, Any] = field(default_factory=dict)
+    sleep_between_steps: bool = False
+
+
+@dataclass(slots=True)
+class OptimConfig:
+    """The optimizer (AdamW) and its schedule.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: AdamW's decoupled weight decay.
+        betas: AdamW's betas.
+        max_grad_norm: clip the gradient norm to this (0 disables).
+        warmup_steps: linear warm-up steps before the constant rate.
+        micro_batch_size: sequences per forward/backward (gradient accumulation splits a
+            step's batch into micro-batches).
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    micro_batch_size: int = 16
+
+
+@dataclass(slots=True)
+class GRPOConfig:
+    """GRPO's loss.
+
+    Attributes:
+        epsilon: lower clip range of the ratio (``1 - epsilon``).
+        epsilon_high: upper clip range (``1 + epsilon_high``); None means ``epsilon``.
+        beta: weight of the KL to the reference model (0: no reference model is kept).
+        scale_rewards: divide a group's advantages by its reward std (off in Dr.GRPO).
+        loss_type: ``"grpo"`` (mean over each completion, then over completions),
+            ``"dr_grpo"`` (sum over tokens divided by completions × max_tokens) or
+            ``"token"`` (mean over all tokens of the batch).
+        importance_sampling_cap: truncate the trainer/sampler importance ratio at this
+            (0 disables the correction).
+    """
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    scale_rewards: bool = True
+    loss_type: str = "grpo"
+    importance_sampling_cap: float = 2.0
+
+
+@dataclass(slots=True)
+class PPOConfig:
+    """PPO's value head, advantages and loss.
+
+    Attributes:
+        gamma: discount.
+        lam: GAE's lambda.
+        kl_coef: per-token KL penalty to the reference model in the reward.
+        cliprange: the ratio's clip range.
+        cliprange_value: the value's clip range around the old value.
+        vf_coef: weight of the value loss.
+        whiten_advantages: normalise advantages over the batch.
+        importance_sampling_cap: as in GRPO.
+    """
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    kl_coef: float = 0.05
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    whiten_advantages: bool = True
+    importance_sampling_cap: float = 2.0
+
+
+@dataclass(slots=True)
+class LoraConfig:
+    """A peft LoRA adapter on the policy; only its tensors are trained and synced.
+
+    Attributes:
+        enabled: train an adapter instead of every weight.
+        r: rank.
+        lora_alpha: scale numerator.
+        target_modules: the linear layers that get an adapter.
+        sync_mode: ``"merge"`` (the engine merges into its weights) or ``"runtime"``.
+    """
+
+    enabled: bool = False
+    r: int = 16
+    lora_alpha: float = 32.0
+    target_modules: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    sync_mode: str = "merge"
+
+
+@dataclass(slots=True)
+class LoggingConfig:
+    """Where metrics go.
+
+    Attributes:
+        wandb: log to Weights & Biases (rank 0 only; offline unless ``WANDB_MODE`` or
+            ``wandb_mode`` says online).
+        wandb_project: the W&B project.
+        wandb_mode: ``"offline"`` (default) or ``"online"``; ``WANDB_MODE`` wins when set.
+        jsonl: write one JSON line of metrics per step to ``output_dir/metrics.jsonl``.
+        console_every: print a metrics line every this many steps (0: never).
+        progress_bar: show a tqdm bar over steps.
+    """
+
+    wandb: bool = True
+    wandb_project: str = "tandem"
+    wandb_mode: str = "offline"
+    jsonl: bool = True
+    console_every: int = 1
+    progress_bar: bool = True
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    """A whole training run (a recipe).
+
+    Attributes:
+        algorithm: ``"grpo"`` or ``"ppo"``.
+        model: a local Hugging Face folder or ``smollm2-135m-instruct``.
+        dtype: the trainer's (and engine's) dtype.
+        task: the dataset and its rewards (``arith``, ``gsm8k``, ``target_token``).
+        task_args: keyword arguments of the task.
+        rewards: the reward functions and weights (default: the task's).
+        steps: optimizer steps.
+        seed: seeds data order, sampling and initialisation.
+        output_dir: checkpoints and logs.
+        checkpoint_every: save every this many steps (0: only at the end).
+        resume_from: a checkpoint folder to continue from.
+        eval_size: held-out prompts evaluated greedily before and after training (0: none).
+        eval_reward: the reward whose mean on the held-out prompts is reported as accuracy.
+        sync_alias: let the engine serve the trainer's tensors instead of copies (same
+            device and dtype only; saves the copy and its memory).
+        distributed: ``"ddp"`` or ``"fsdp2"`` under torchrun.
+    """
+
+    algorithm: str = "grpo"
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "float32"
+    task: str = "arith"
+    task_args: dict[str, Any] = field(default_factory=dict)
+    rewards: list[RewardConfig] = field(default_factory=list)
+    steps: int = 20
+    seed: int = 0
+    output_dir: str = "runs/tandem"
+    checkpoint_every: int = 0
+    resume_from: str | None = None
+    eval_size: int = 0
+    eval_reward: str | None = None
+    sync_alias: bool = False
+    distributed: str = "ddp"
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _one_of("algorithm", self.algorithm, ("grpo", "ppo"))
+        _one_of("distributed", self.distributed, ("ddp", "fsdp2"))
+        _one_of("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "token"))
+        _one_of("lora.sync_mode", self.lora.sync_mode, ("merge", "runtime"))
+        _one_of("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online"))
+        for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
+                     "rollout.max_tokens", "optim.micro_batch_size"):
+            _at_least(name, _get(self, name), 1)
+        for name in ("checkpoint_every", "eval_size", "optim.warmup_steps"):
+            _at_least(name, _get(self, name), 0)
+        if self.algorithm == "grpo" and self.rollout.num_generations < 2:
+            raise ValueError("rollout.num_generations must be >= 2 for GRPO: advantages are "
+                             "relative to the other completions of the same prompt.")
+        if not self.optim.lr > 0:
+            raise ValueError(f"optim.lr={self.optim.lr!r} is invalid: it must be > 0.")
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    """A ``TrainConfig`` from a YAML recipe plus ``section.field=value`` overrides.
+
+    Override values are parsed as YAML (``steps=5``, ``lora.enabled=true``,
+    ``rollout.engine={num_kv_blocks: 64}``).
+
+    Raises:
+        ValueError: for an unknown field (naming the valid ones), a malformed override or an
+            invalid value.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: a recipe is a YAML mapping of TrainConfig fields.")
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {override!r} is malformed: write section.field=value.")
+        _set_dotted(data, key.strip(), yaml.safe_load(value))
+    return from_dict(TrainConfig, data)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as plain data (what a recipe YAML holds)."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping, recursing into nested dataclass fields.
+
+    Raises:
+        ValueError: for a key that is not a field of ``cls``, naming the valid ones.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}.")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(prefix + k for k in unknown)}: valid "
+                         f"fields are {', '.join(prefix + k for k in fields)}.")
+    hints = typing.get_type_hints(cls)
+    kwargs = {name: _field_value(hints[name], value, prefix + name)
+              for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _field_value(hint: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, name + ".")
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list and args and dataclasses.is_dataclass(args[0]):
+        return [from_dict(args[0], {"name": item} if isinstance(item, str) else item,
+                          f"{name}[{i}].") for i, item in enumerate(value)]
+    if origin is tuple and isinstance(value, list):
+        return tuple(value)
+    accepts_float = hint is float or (origin in (typing.Union, types.UnionType)
+                                      and float in args)
+    if accepts_float and isinstance(value, (int, str)) and not isinstance(value, bool):
+        try:
+            return float(value)  # YAML 1.1 reads ``1e-5`` (no dot) as a string
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is invalid: it must be a number.") from None
+    return value
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    *sections, last = key.split(".")
+    for section in sections:
+        data = data.setdefault(section, {})
+        if not isinstance(data, dict):
+            raise ValueError(f"override {key!r}: {section!r} is not a section.")
+    data[last] = value
+
+
+def _get(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = getattr(config, part)
+    return config
+
+
+def _one_of(name: str, value: Any, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid: use one of {', '.join(valid)}.")
+
+
+def _at_least(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {minimum}.")

@@ -1,0 +1,120 @@
+"""The trainer's side of the model: padded token batches and per-token log-probs (and values).
+
+Rows are laid out as TRL lays them: the prompt left-padded, the completion right-padded, so
+the logits of the last ``C + 1`` positions score the ``C`` completion slots of every row.
+Position ids count real tokens only, as the engine's do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(slots=True)
+class TokenBatch:
+    """Rows of prompt + completion as padded tensors.
+
+    Attributes:
+        input_ids: ``[B, P + C]``, prompts left-padded to ``P``, completions right-padded to
+            ``C``.
+        attention_mask: ``[B, P + C]``, 1 on real tokens.
+        position_ids: ``[B, P + C]``, the index of each token within its row's real tokens.
+        completion_ids: ``[B, C]``.
+        completion_mask: ``[B, C]``, 1 on real completion tokens.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+
+    @property
+    def num_completion_slots(self) -> int:
+        """``C``, the padded completion length."""
+        return self.completion_ids.shape[1]
+
+    def rows(self, rows: slice) -> TokenBatch:
+        """The batch of rows ``rows`` (same padding)."""
+        return TokenBatch(self.input_ids[rows], self.attention_mask[rows],
+                          self.position_ids[rows], self.completion_ids[rows],
+                          self.completion_mask[rows])
+
+
+def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float,
+             dtype: torch.dtype, left: bool = False) -> torch.Tensor:
+    """A ``[len(rows), width]`` tensor of ``rows`` padded with ``value`` (on the left if asked)."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            target = out[i, width - len(row):] if left else out[i, :len(row)]
+            target.copy_(torch.tensor(row, dtype=dtype))
+    return out
+
+
+def token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,
+                device: torch.device | str = "cpu") -> TokenBatch:
+    """Pad prompts on the left and completions on the right into one ``TokenBatch``."""
+    prompt_width = max(len(ids) for ids in prompt_ids)
+    completion_width = max(max(len(ids) for ids in completion_ids), 1)
+    prompts = pad_rows(prompt_ids, prompt_width, pad_id, torch.long, left=True)
+    prompt_mask = pad_rows([[1] * len(ids) for ids in prompt_ids], prompt_width, 0, torch.long,
+                           left=True)
+    completions = pad_rows(completion_ids, completion_width, pad_id, torch.long)
+    completion_mask = pad_rows([[1] * len(ids) for ids in completion_ids], completion_width, 0,
+                               torch.long)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return TokenBatch(torch.cat([prompts, completions], dim=1).to(device),
+                      attention_mask.to(device), position_ids.to(device),
+                      completions.to(device), completion_mask.float().to(device))
+
+
+def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
+                        value_head: nn.Module | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[B, C]`` of the completion tokens under ``softmax(logits / T)``,
+    in float32, and the value head's ``[B, C]`` values (state before each token) when given.
+
+    Only the last ``C + 1`` positions go through the LM head.
+    """
+    width = batch.num_completion_slots
+    output = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, logits_to_keep=width + 1,
+                   output_hidden_states=value_head is not None, use_cache=False)
+    logits = output.logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_logprobs = logprobs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
+    if value_head is None:
+        return token_logprobs, None
+    hidden = output.hidden_states[-1][:, -(width + 1):-1]
+    return token_logprobs, value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()
+
+
+class ValueHead(nn.Linear):
+    """PPO's critic: one linear map from the last hidden state to a scalar value."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__(hidden_size, 1)
+        nn.init.zeros_(self.weight)
+        nn.init.zeros_(self.bias)
+
+
+class Policy(nn.Module):
+    """The trained model (a Hugging Face causal LM, maybe a peft model) and, for PPO, its
+    value head: one module, so DDP and FSDP2 wrap both."""
+
+    def __init__(self, model: nn.Module, value_head: ValueHead | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.value_head = value_head
+
+    def forward(self, batch: TokenBatch, temperature: float
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``completion_logprobs`` of this policy (values too when it has a value head)."""
+        return completion_logprobs(self.model, batch, temperature, self.value_head)

@@ -1,0 +1,86 @@
+"""Rollouts: a step's prompts through the colocated engine, flattened one row per completion."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tandem.rollout import LLM, SamplingParams
+
+from .config import RolloutConfig
+from .tasks import Example
+
+
+@dataclass(slots=True)
+class RolloutBatch:
+    """Every completion of a step, one row each, groups contiguous (row ``i`` is of group
+    ``group_ids[i]``).
+
+    Attributes:
+        prompts: each row's prompt as the task gave it (a string or a conversation).
+        prompt_ids: each row's prompt token ids.
+        completion_ids: each row's sampled token ids (ending with EOS when it stopped).
+        completions: each row's completion text.
+        sampler_logprobs: the engine's processed log-prob of every sampled token.
+        group_ids: the prompt (group) index of each row.
+        columns: the examples' other columns, one value per row.
+        weight_version: the engine's weight version the rollouts were sampled under.
+        seconds: wall time of the generation.
+    """
+
+    prompts: list[Any]
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    completions: list[str]
+    sampler_logprobs: list[list[float]]
+    group_ids: torch.Tensor
+    columns: dict[str, list[Any]]
+    weight_version: int
+    seconds: float
+
+    @property
+    def num_completion_tokens(self) -> int:
+        """Sampled tokens in all."""
+        return sum(len(ids) for ids in self.completion_ids)
+
+
+def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]
+                    ) -> list[int]:
+    """A prompt's token ids: a conversation through the chat template, text as it is."""
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    return tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=False,
+                                         add_generation_prompt=True)
+
+
+def generate_rollouts(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+                      config: RolloutConfig, seed: int) -> RolloutBatch:
+    """Sample ``config.num_generations`` completions of every example's prompt.
+
+    Each prompt gets its own seed (``seed + its index``), so a step repeats exactly.
+    """
+    prompt_ids = [tokenize_prompt(tokenizer, example["prompt"]) for example in examples]
+    params = [SamplingParams(n=config.num_generations, temperature=config.temperature,
+                             top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
+                             seed=seed + index) for index in range(len(examples))]
+    start = time.perf_counter()
+    outputs = llm.generate(prompt_ids, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    rows = [(index, completion) for index, output in enumerate(outputs)
+            for completion in output.outputs]
+    columns = {key: [examples[i][key] for i, _ in rows]
+               for key in examples[0] if key != "prompt"}
+    return RolloutBatch(
+        prompts=[examples[i]["prompt"] for i, _ in rows],
+        prompt_ids=[prompt_ids[i] for i, _ in rows],
+        completion_ids=[list(c.token_ids) for _, c in rows],
+        completions=[c.text for _, c in rows],
+        sampler_logprobs=[list(c.logprobs) for _, c in rows],
+        group_ids=torch.tensor([i for i, _ in rows]),
+        columns=columns,
+        weight_version=max(output.weight_version for output in outputs),
+        seconds=seconds)

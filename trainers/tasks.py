@@ -1,0 +1,173 @@
+"""Tasks: a prompt dataset and the reward functions that score its completions.
+
+A task yields examples (``{"prompt": str | conversation, <column>: ...}``) from a training
+stream that repeats with the seed, and a held-out set that never overlaps it.
+
+- ``arith``: small additions and subtractions generated in code; rewards ``correct`` (the
+  last integer of the completion is the answer) and ``format`` (the completion is only that
+  number).
+- ``gsm8k``: a local GSM8K-style JSON-lines file (``question``, ``answer`` ending in
+  ``#### N``); rewards ``correct`` and ``format`` (the completion ends with ``#### N``).
+- ``target_token``: short text prompts; reward ``target`` is the fraction of completion
+  tokens equal to a given token id (trivially learnable: used by the tests).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .rewards import RewardFn
+
+Example = dict[str, Any]
+INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass(slots=True)
+class Task:
+    """A dataset and its rewards.
+
+    Attributes:
+        train_example: the ``index``-th training example of the stream seeded by ``seed``.
+        eval_examples: the held-out examples (disjoint from every training example).
+        rewards: reward functions by name.
+        default_rewards: (name, weight) pairs used when the recipe names none.
+    """
+
+    train_example: Callable[[int, int], Example]
+    eval_examples: list[Example]
+    rewards: dict[str, RewardFn]
+    default_rewards: list[tuple[str, float]]
+
+
+def build_task(name: str, **task_args: Any) -> Task:
+    """The task called ``name`` with its keyword arguments.
+
+    Raises:
+        ValueError: for an unknown task or invalid arguments.
+    """
+    builders = {"arith": arith_task, "gsm8k": gsm8k_task, "target_token": target_token_task}
+    if name not in builders:
+        raise ValueError(f"unknown task {name!r}: use one of {', '.join(builders)}.")
+    try:
+        return builders[name](**task_args)
+    except TypeError as error:
+        raise ValueError(f"task {name!r}: {error}.") from error
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer written in ``text`` (None when there is none)."""
+    numbers = INTEGER.findall(text.replace(",", ""))
+    return int(numbers[-1]) if numbers else None
+
+
+# --- arith -------------------------------------------------------------------------------
+
+ARITH_SYSTEM = "Reply with only the number."
+
+
+def arith_task(max_operand: int = 9, operations: str = "+-", eval_size: int = 64) -> Task:
+    """Questions ``What is a + b?`` over operands 0..max_operand, a fifth of them held out."""
+    if max_operand < 1 or not operations or set(operations) - set("+-*"):
+        raise ValueError("arith needs max_operand >= 1 and operations among '+-*'")
+    questions = [(a, op, b) for a in range(max_operand + 1) for op in operations
+                 for b in range(max_operand + 1)]
+    held_out = [q for q in questions if _held_out(q)]
+    train = [q for q in questions if not _held_out(q)]
+
+    def train_example(seed: int, index: int) -> Example:
+        return _arith_example(random.Random(seed * 1_000_003 + index).choice(train))
+
+    rng = random.Random(1234)
+    eval_questions = rng.sample(held_out, min(eval_size, len(held_out)))
+    return Task(train_example, [_arith_example(q) for q in eval_questions],
+                {"correct": correct_reward, "format": number_format_reward},
+                [("correct", 1.0), ("format", 0.5)])
+
+
+def _held_out(question: tuple[int, str, int]) -> bool:
+    return zlib.crc32(repr(question).encode()) % 5 == 0
+
+
+def _arith_example(question: tuple[int, str, int]) -> Example:
+    a, op, b = question
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"prompt": [{"role": "system", "content": ARITH_SYSTEM},
+                       {"role": "user", "content": f"What is {a} {op} {b}?"}],
+            "answer": answer}
+
+
+def correct_reward(completions: list[str], answer: list[int], **_: Any) -> list[float]:
+    """1 when the completion's last integer is the answer, else 0."""
+    return [float(last_integer(c) == int(a)) for c, a in zip(completions, answer)]
+
+
+def number_format_reward(completions: list[str], **_: Any) -> list[float]:
+    """1 when the completion is a single integer (optionally ending with a period), else 0."""
+    return [float(re.fullmatch(r"\s*-?\d+\.?\s*", c) is not None) for c in completions]
+
+
+# --- gsm8k -------------------------------------------------------------------------------
+
+GSM8K_SYSTEM = ("Solve the problem step by step, then write the final answer on its own "
+                "line as '#### <number>'.")
+
+
+def gsm8k_task(path: str, eval_size: int = 128) -> Task:
+    """GSM8K-style problems from a JSON-lines file; the last ``eval_size`` are held out.
+
+    Raises:
+        ValueError: when the file is missing or a line lacks ``question``/``answer``.
+    """
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise ValueError(f"gsm8k: {file} does not exist: point task_args.path at a JSON-lines "
+                         "file of {question, answer} records (GSM8K's format)")
+    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    if not records or any({"question", "answer"} - set(r) for r in records):
+        raise ValueError(f"gsm8k: every line of {file} needs 'question' and 'answer'")
+    examples = [{"prompt": [{"role": "system", "content": GSM8K_SYSTEM},
+                            {"role": "user", "content": r["question"]}],
+                 "answer": last_integer(r["answer"].split("####")[-1])} for r in records]
+    eval_size = min(eval_size, len(examples) // 5)
+    train, held_out = examples[:len(examples) - eval_size], examples[len(examples) - eval_size:]
+
+    def train_example(seed: int, index: int) -> Example:
+        return random.Random(seed * 1_000_003 + index).choice(train)
+
+    return Task(train_example, held_out,
+                {"correct": correct_reward, "format": hash_format_reward},
+                [("correct", 1.0), ("format", 0.2)])
+
+
+def hash_format_reward(completions: list[str], **_: Any) -> list[float]:
+    """1 when the completion ends with a ``#### <number>`` line, else 0."""
+    return [float(re.search(r"####\s*-?[\d,]+\.?\s*$", c) is not None) for c in completions]
+
+
+# --- target_token ------------------------------------------------------------------------
+
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far")
+
+
+def target_token_task(token_id: int, eval_size: int = 8) -> Task:
+    """Text prompts of 3 to 6 words; the reward is the share of ``token_id`` in a completion."""
+
+    def example(rng: random.Random) -> Example:
+        return {"prompt": " ".join(rng.choices(WORDS, k=rng.randint(3, 6)))}
+
+    def train_example(seed: int, index: int) -> Example:
+        return example(random.Random(seed * 1_000_003 + index))
+
+    def target_reward(completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [sum(t == token_id for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    rng = random.Random(-1)
+    return Task(train_example, [example(rng) for _ in range(eval_size)],
+                {"target": target_reward}, [("target", 1.0)])

@@ -1,0 +1,382 @@
+"""The colocated RL loop: rollouts from the engine, rewards, one optimizer step, weight update.
+
+Each step: the rank's share of the step's prompts goes to its engine (groups of
+``num_generations``, with the sampled tokens' processed log-probs); the reward functions score
+the completions; the algorithm (GRPO or PPO) turns them into a loss over micro-batches; the
+optimizer steps; the new weights (all of them, or the LoRA adapter) go into the engine, whose
+weight version advances. The engine may sleep (KV pool freed) from the end of the rollouts to
+the start of the next ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandem.rollout import LLM
+from tandem.rollout.config import DTYPES
+from tandem.rollout.default_model import resolve_model
+
+from .algorithms import GRPO, PPO, MicroBatch
+from .config import TrainConfig, to_dict
+from .distributed import (
+    all_reduce_metrics,
+    full_named_parameters,
+    init_distributed,
+    set_gradient_sync,
+    wrap_policy,
+)
+from .logger import MetricsLogger
+from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
+from .rewards import WeightedReward, compute_rewards, resolve_reward
+from .rollout import RolloutBatch, generate_rollouts
+from .tasks import Example, Task, build_task
+
+
+class Trainer:
+    """Trains a policy with GRPO or PPO against its own colocated Tandem engine.
+
+    Args:
+        config: the run (see ``TrainConfig``).
+        task: a task object instead of ``config.task`` (for rewards defined in code).
+
+    Raises:
+        ValueError: for a configuration that cannot run (unknown reward, prompts not divisible
+            among ranks, LoRA with FSDP2...).
+    """
+
+    def __init__(self, config: TrainConfig, task: Task | None = None) -> None:
+        self.config = config
+        self.context = init_distributed(config.rollout.engine.get("device"))
+        self._check_layout()
+        torch.manual_seed(config.seed)
+        self.task = task or build_task(config.task, **config.task_args)
+        self.rewards = self._build_rewards()
+        self.model_dir = resolve_model(config.model)
+        self.output_dir = Path(config.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.algorithm = GRPO(config.grpo) if config.algorithm == "grpo" else PPO(config.ppo)
+        self.policy = self._build_policy()
+        self.reference = self._build_reference()
+        self.model = wrap_policy(self.policy, self.context, config.distributed)
+        self.parameters = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.parameters, lr=config.optim.lr,
+                                           betas=config.optim.betas,
+                                           weight_decay=config.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.llm = LLM(str(self.model_dir), **{"dtype": config.dtype,
+                                               "device": str(self.context.device),
+                                               "seed": config.seed + self.context.rank,
+                                               **config.rollout.engine})
+        self.lora_sync = self._build_lora_sync()
+        self.step = 0
+        if config.resume_from:
+            self._resume(Path(config.resume_from))
+            self.sync_weights()
+        self.logger = MetricsLogger(config.logging, self.output_dir, to_dict(config),
+                                    enabled=self.context.is_main)
+
+    # --- building ------------------------------------------------------------------------
+
+    def _check_layout(self) -> None:
+        config, world = self.config, self.context.world_size
+        if config.rollout.prompts_per_step % world:
+            raise ValueError(f"rollout.prompts_per_step={config.rollout.prompts_per_step} does "
+                             f"not divide among {world} ranks: make it a multiple of {world}.")
+        if config.lora.enabled and config.distributed == "fsdp2" and world > 1:
+            raise ValueError("LoRA with FSDP2 is not supported: use distributed=ddp (the "
+                             "adapter is small) or full fine-tuning.")
+        if config.sync_alias and config.lora.enabled:
+            raise ValueError("sync_alias applies to full updates: turn it off with LoRA.")
+
+    def _build_rewards(self) -> list[WeightedReward]:
+        chosen = [(r.name, r.weight) for r in self.config.rewards] or self.task.default_rewards
+        return [WeightedReward(name, resolve_reward(name, self.task.rewards), weight)
+                for name, weight in chosen]
+
+    def _build_policy(self) -> Policy:
+        config = self.config
+        source = self.model_dir
+        resumed = Path(config.resume_from) if config.resume_from else None
+        if resumed is not None and not config.lora.enabled:
+            source = resumed
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[config.dtype])
+        if config.lora.enabled:
+            model = self._add_adapter(model, resumed)
+        value_head = ValueHead(model.config.hidden_size) if self.algorithm.uses_values else None
+        if value_head is not None and resumed is not None:
+            value_head.load_state_dict(load_file(resumed / "value_head.safetensors"))
+        return Policy(model, value_head).to(self.context.device)
+
+    def _add_adapter(self, model: torch.nn.Module, resumed: Path | None) -> torch.nn.Module:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import PeftModel, get_peft_model
+
+        if resumed is not None:
+            return PeftModel.from_pretrained(model, resumed, is_trainable=True)
+        lora = self.config.lora
+        return get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.lora_alpha,
+                                                    target_modules=list(lora.target_modules)))
+
+    def _build_reference(self) -> Policy | None:
+        if not self.algorithm.needs_reference or self.config.lora.enabled:
+            return None
+        reference = copy.deepcopy(self.policy.model).eval().requires_grad_(False)
+        return Policy(reference)
+
+    def _build_lora_sync(self) -> Any:
+        if not self.config.lora.enabled:
+            return None
+        from tandem.sync import LoraSync
+
+        return LoraSync(self.llm, mode=self.config.lora.sync_mode)
+
+    def _lr_factor(self, step: int) -> float:
+        warmup = self.config.optim.warmup_steps
+        return min(1.0, (step + 1) / warmup) if warmup else 1.0
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run the remaining steps, checkpoint, and return before/after evaluation and paths."""
+        config = self.config
+        before = self.evaluate()
+        bar = tqdm(range(self.step, config.steps), desc="train", unit="step",
+                   disable=not (self.context.is_main and config.logging.progress_bar))
+        history = []
+        for _ in bar:
+            metrics = self.train_step()
+            history.append(metrics)
+            self.logger.log(self.step, metrics)
+            bar.set_postfix(reward=f"{metrics['reward']:.3f}")
+            if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                self.save_checkpoint()
+        checkpoint = self.save_checkpoint()
+        after = self.evaluate()
+        self.logger.finish()
+        return {"before": before, "after": after, "history": history,
+                "checkpoint": str(checkpoint), "jsonl": self.logger.jsonl_path,
+                "wandb_dir": self.logger.wandb_dir}
+
+    def train_step(self) -> dict[str, float]:
+        """One step: rollouts, rewards, optimizer step, weight update. Returns its metrics
+        (averaged over ranks)."""
+        self.step += 1
+        wake_seconds = self._wake()
+        batch = generate_rollouts(self.llm, self.tokenizer, self._examples(self.step),
+                                  self.config.rollout, self._rollout_seed(self.step))
+        engine_stats = self.llm.stats()
+        sleep_seconds = self._sleep()
+        rewards, per_function = compute_rewards(
+            self.rewards, batch.prompts, batch.completions,
+            {**batch.columns, "completion_ids": batch.completion_ids})
+        metrics = self._optimize(batch, rewards)
+        metrics["sync_seconds"] = self.sync_weights()
+        metrics.update(_rollout_metrics(batch, rewards, per_function, engine_stats))
+        metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
+                       weight_version=float(self.llm.engine.weight_version),
+                       lr=self.scheduler.get_last_lr()[0])
+        return all_reduce_metrics(metrics, self.context)
+
+    def _examples(self, step: int) -> list[Example]:
+        per_step, rank, world = (self.config.rollout.prompts_per_step, self.context.rank,
+                                 self.context.world_size)
+        first = (step - 1) * per_step
+        return [self.task.train_example(self.config.seed, first + i)
+                for i in range(rank, per_step, world)]
+
+    def _rollout_seed(self, step: int) -> int:
+        return (self.config.seed * 1_000_003 + step) * 10_007 + self.context.rank * 1_009
+
+    def _optimize(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
+        device = self.context.device
+        tokens = token_batch(batch.prompt_ids, batch.completion_ids,
+                             self.tokenizer.pad_token_id or 0, device)
+        mask = tokens.completion_mask
+        sampler_logprobs = pad_rows(batch.sampler_logprobs, tokens.num_completion_slots, 0.0,
+                                    torch.float32).to(device)
+        targets = self.algorithm.prepare(
+            rewards.to(device), batch.group_ids.to(device), mask,
+            lambda values, reference: self._score(tokens, values, reference))
+        self.model.train()
+        slices = self._micro_batches(len(batch.completion_ids))
+        losses, parts = [], []
+        for index, rows in enumerate(slices):
+            set_gradient_sync(self.model, index == len(slices) - 1)
+            logprobs, values = self.model(tokens.rows(rows), self.config.rollout.temperature)
+            micro = MicroBatch(rows, logprobs, values, sampler_logprobs[rows], mask[rows],
+                               len(batch.completion_ids), int(mask.sum()),
+                               self.config.rollout.max_tokens)
+            loss, micro_metrics = self.algorithm.loss(micro, targets)
+            loss.backward()
+            losses.append(loss.detach())
+            parts.append(micro_metrics)
+        grad_norm = self._optimizer_step()
+        return {"loss": float(torch.stack(losses).sum()), "grad_norm": grad_norm,
+                **_combine(parts)}
+
+    def _micro_batches(self, num_rows: int) -> list[slice]:
+        size = self.config.optim.micro_batch_size
+        return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+    @torch.no_grad()
+    def _score(self, tokens: TokenBatch, with_values: bool, use_reference: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and values) of every row without gradient, by the policy or the
+        reference (the policy with its adapter disabled, under LoRA)."""
+        model = self.reference if use_reference and self.reference is not None else self.policy
+        adapter_off = use_reference and self.reference is None
+        logprobs, values = [], []
+        with self.policy.model.disable_adapter() if adapter_off else nullcontext():
+            for rows in self._micro_batches(tokens.input_ids.shape[0]):
+                micro_logprobs, micro_values = model(tokens.rows(rows),
+                                                     self.config.rollout.temperature)
+                logprobs.append(micro_logprobs)
+                values.append(micro_values)
+        return torch.cat(logprobs), torch.cat(values) if with_values else None
+
+    def _optimizer_step(self) -> float:
+        max_norm = self.config.optim.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters, max_norm or float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # --- the engine ----------------------------------------------------------------------
+
+    def sync_weights(self) -> float:
+        """Push the policy's weights (or its adapter) into the engine; returns the seconds."""
+        start = time.perf_counter()
+        model = self.policy.model
+        if self.lora_sync is not None:
+            from tandem.sync import peft_adapter_state
+
+            self.lora_sync.update(*peft_adapter_state(model))
+        else:
+            self.llm.update_weights(full_named_parameters(model), alias=self.config.sync_alias)
+        return time.perf_counter() - start
+
+    def _sleep(self) -> float:
+        if not self.config.rollout.sleep_between_steps:
+            return 0.0
+        start = time.perf_counter()
+        self.llm.sleep(1)
+        return time.perf_counter() - start
+
+    def _wake(self) -> float:
+        if not self.llm.engine.sleep_level:
+            return 0.0
+        start = time.perf_counter()
+        self.llm.wake_up()
+        return time.perf_counter() - start
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions of the held-out prompts: each reward's mean, and ``accuracy``
+        (the mean of ``eval_reward``, default the first reward). Empty when ``eval_size`` is 0.
+        """
+        size = self.config.eval_size
+        if not size:
+            return {}
+        self._wake()
+        examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
+        greedy = replace(self.config.rollout, num_generations=1, temperature=0.0)
+        batch = generate_rollouts(self.llm, self.tokenizer, examples, greedy, seed=0)
+        _, per_function = compute_rewards(
+            self.rewards, batch.prompts, batch.completions,
+            {**batch.columns, "completion_ids": batch.completion_ids})
+        metrics = {f"eval_{name}": float(values.mean()) for name, values in per_function.items()}
+        accuracy_reward = self.config.eval_reward or self.rewards[0].name
+        metrics["accuracy"] = metrics[f"eval_{accuracy_reward}"]
+        return all_reduce_metrics(metrics, self.context)
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        """Write ``output_dir/checkpoint-STEP``: the model as a Hugging Face folder (or the
+        adapter), the value head, and per rank the optimizer, schedule and RNG state."""
+        path = self.output_dir / f"checkpoint-{self.step}"
+        weights = dict(full_named_parameters(self.policy))
+        if self.context.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            self._save_model(path, weights)
+            (path / "trainer_state.json").write_text(json.dumps(
+                {"step": self.step, "config": to_dict(self.config)}, indent=1, default=str))
+        _barrier(self.context)
+        torch.save({"optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": torch.get_rng_state()},
+                   path / f"optimizer-rank{self.context.rank}.pt")
+        return path
+
+    def _save_model(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
+        model = self.policy.model
+        if self.config.lora.enabled:
+            model.save_pretrained(path)
+        else:
+            save_file({name.removeprefix("model."): tensor.contiguous()
+                       for name, tensor in weights.items() if name.startswith("model.")},
+                      path / "model.safetensors", metadata={"format": "pt"})
+            model.config.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+        value_head = {name.removeprefix("value_head."): tensor
+                      for name, tensor in weights.items() if name.startswith("value_head.")}
+        if value_head:
+            save_file(value_head, path / "value_head.safetensors")
+
+    def _resume(self, path: Path) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        self.step = state["step"]
+        trainer_state = torch.load(path / f"optimizer-rank{self.context.rank}.pt",
+                                   weights_only=False)
+        self.optimizer.load_state_dict(trainer_state["optimizer"])
+        self.scheduler.load_state_dict(trainer_state["scheduler"])
+        torch.set_rng_state(trainer_state["rng"])
+
+
+def _rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor,
+                     per_function: dict[str, torch.Tensor],
+                     engine_stats: dict[str, int]) -> dict[str, float]:
+    lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
+    queried = engine_stats["prefix_cache_queried_tokens"]
+    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+            **{f"rewards/{name}": float(v.mean()) for name, v in per_function.items()},
+            "completion_length": float(lengths.mean()),
+            "completion_length_max": float(lengths.max()),
+            "rollout_seconds": batch.seconds,
+            "rollout_tok_per_s": batch.num_completion_tokens / max(batch.seconds, 1e-9),
+            "kv_blocks_used_fraction": engine_stats["kv_blocks_used"]
+            / max(engine_stats["kv_blocks_total"], 1),
+            "prefix_cache_hit_rate": engine_stats["prefix_cache_hit_tokens"] / max(queried, 1),
+            "cow_copies": float(engine_stats["cow_copies"]),
+            "preemptions": float(engine_stats["preemptions"])}
+
+
+def _combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Micro-batch metrics merged: ``*_min`` by min, ``*_max`` by max, the rest by mean."""
+    combined = {}
+    for key in parts[0]:
+        values = torch.stack([part[key].float() for part in parts])
+        if key.endswith("_min"):
+            combined[key] = float(values.min())
+        elif key.endswith("_max"):
+            combined[key] = float(values.max())
+        else:
+            combined[key] = float(values.mean())
+    return combined
+
+
+def _barrier(context: Any) -> None:
+    if context.world_size > 1:
+        torch.distributed.barrier()
