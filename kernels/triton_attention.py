@@ -93,8 +93,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
-        BLOCK_N=32 if block_d >= 128 else 64, BLOCK_D=block_d,
-        DOT_DTYPE=_dot_dtype(query.dtype), num_warps=4)
+        BLOCK_N=32 if block_d >= 128 else 64, BLOCK_D=block_d, UPCAST=_interpreting(),
+        num_warps=4)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             partial, lse, output, *partial.stride()[:3], *lse.stride()[:2],
@@ -115,8 +115,7 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         query.stride(0), query.stride(1), *k_cache.stride()[:3],
         metadata.block_tables.stride(0), output.stride(0), output.stride(1), head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m,
-        BLOCK_N=block_m, BLOCK_D=_pow2(head_dim), DOT_DTYPE=_dot_dtype(query.dtype),
-        num_warps=4)
+        BLOCK_N=block_m, BLOCK_D=_pow2(head_dim), UPCAST=_interpreting(), num_warps=4)
 
 
 @triton.jit
@@ -142,24 +141,23 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stri
 @triton.jit
 def _attend_tile(q, k_cache, v_cache, block_table, kv_head, n, n_in, n_valid, d, d_mask,
                  row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
-                 BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr):
     """Fold the keys ``n`` into the online softmax ``(row_max, row_sum, acc)``.
 
     ``n_in`` marks the keys inside the context; ``n_valid`` (rows × keys, or 1 × keys) those
-    each query row may see.
+    each query row may see. The products take ``q``'s type for their operands.
     """
     block = tl.load(block_table + n // BLOCK_SIZE, mask=n_in, other=0)
     offset = (block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch)[:, None]
     kv_mask = n_in[:, None] & d_mask[None, :]
-    k = tl.load(k_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    scores = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision="ieee") * scale_log2
+    k = tl.load(k_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
     scores = tl.where(n_valid, scores, float("-inf"))
     m_new = tl.maximum(row_max, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(row_max - m_new)
-    v = tl.load(v_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
-                                        input_precision="ieee")
+    v = tl.load(v_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
     return m_new, row_sum * alpha + tl.sum(p, 1), acc
 
 
@@ -169,7 +167,7 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, partial,
                    stride_bt, stride_ps, stride_ph, stride_psplit, stride_ls, stride_lh,
                    num_splits, head_dim, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_DTYPE: tl.constexpr):
+                   UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -184,7 +182,9 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, partial,
     d_mask = d < head_dim
     mask = g_mask[:, None] & d_mask[None, :]
     q = tl.load(query + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=mask,
-                other=0.0).to(tl.float32).to(DOT_DTYPE)
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -194,7 +194,7 @@ def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, partial,
         row_max, row_sum, acc = _attend_tile(
             q, k_cache, v_cache, block_tables + seq * stride_bt, kv_head, n, n_in,
             n_in[None, :], d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct,
-            stride_ch, BLOCK_SIZE, DOT_DTYPE)
+            stride_ch, BLOCK_SIZE)
     has_keys = row_sum > 0
     out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
     tl.store(partial + seq * stride_ps + heads[:, None] * stride_ph + split * stride_psplit
@@ -230,7 +230,7 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seql
                     scale_log2, num_decodes, stride_qt, stride_qh, stride_cb, stride_ct,
                     stride_ch, stride_bt, stride_ot, stride_oh, head_dim,
                     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     seq = num_decodes + tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -245,7 +245,9 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seql
     d_mask = d < head_dim
     mask = (rows < q_len)[:, None] & d_mask[None, :]
     q_offset = (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :]
-    q = tl.load(query + q_offset, mask=mask, other=0.0).to(tl.float32).to(DOT_DTYPE)
+    q = tl.load(query + q_offset, mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -257,7 +259,7 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seql
         row_max, row_sum, acc = _attend_tile(
             q, k_cache, v_cache, block_tables + seq * stride_bt, head // GROUP, n, n_in, n_valid,
             d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
-            BLOCK_SIZE, DOT_DTYPE)
+            BLOCK_SIZE)
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     tl.store(output + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out, mask=mask)
@@ -273,14 +275,8 @@ def _pow2(n: int) -> int:
 
 
 def _interpreting() -> bool:
+    """True under Triton's interpreter, where products must take float32 operands."""
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    """The operand type of the kernels' matrix products (see the module docstring)."""
-    if dtype == torch.float32 or _interpreting():
-        return tl.float32
-    return tl.bfloat16 if dtype == torch.bfloat16 else tl.float16
 
 
 def _num_splits(num_programs: int, device: torch.device) -> int:

@@ -88,6 +88,7 @@ class ModelRunner:
         self.graphs = None
         if not self.graph_sizes:
             return
+        self._return_cached_device_memory()  # so the old graphs' pool does not hide the cost
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device)
