@@ -1,5 +1,12 @@
-"""Attention and layer kernels: plain-torch references (CPU) and, later, Triton versions."""
+"""Attention and layer kernels: Triton kernels, each beside a plain-torch reference.
+
+``select_kernels(backend, device)`` picks a backend; ``attention.py`` and ``layers.py`` hold
+the references, ``triton_attention.py`` and ``triton_layers.py`` the Triton versions (imported
+only when selected).
+"""
 
 from .attention import AttentionMetadata, paged_attention, store_kv
+from .dispatch import BACKENDS, TORCH_OPS, KernelOps, select_kernels
 
-__all__ = ["AttentionMetadata", "paged_attention", "store_kv"]
+__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "KernelOps", "paged_attention",
+           "select_kernels", "store_kv"]

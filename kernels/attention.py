@@ -1,5 +1,7 @@
 """Paged attention over a block-structured KV pool: the plain-torch reference.
 
+The Triton kernels (``triton_attention.py``) share these signatures.
+
 The pool of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A token's slot is ``block_id * block_size + offset``. A step's tokens are one
 flat stream: decodes first (one query token each), then prefill chunks whose keys are partly
@@ -21,7 +23,8 @@ class AttentionMetadata:
     ``slot_mapping[t]`` is the pool slot of token t (-1: skip). ``block_tables[s]`` lists
     sequence s's blocks (padded with 0), ``context_lens[s]`` its tokens including this step's,
     ``cu_seqlens_q`` the start of each sequence's query tokens in the stream. The first
-    ``num_decodes`` sequences have one query token each.
+    ``num_decodes`` sequences have one query token each; ``max_query_len`` is the longest
+    query chunk (known on the host, so kernels can size their grids without a device sync).
     """
 
     slot_mapping: torch.Tensor
@@ -29,6 +32,7 @@ class AttentionMetadata:
     context_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor
     num_decodes: int
+    max_query_len: int = 1
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

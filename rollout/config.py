@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels import BACKENDS
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
@@ -32,6 +34,11 @@ class EngineConfig:
         max_model_len: longest sequence (prompt plus completion); default the model's.
         enable_prefix_caching: reuse the KV of repeated prompt prefixes.
         seed: seed of the generator for requests without their own seed.
+        attention_backend: the kernels: ``"auto"`` (Triton on CUDA, torch on CPU),
+            ``"triton"`` (on CPU only under the Triton interpreter, ``TRITON_INTERPRET=1``)
+            or ``"torch"`` (the plain-torch references).
+        enforce_eager: never capture CUDA graphs (they are captured on CUDA with the Triton
+            kernels otherwise).
     """
 
     model: str
@@ -46,6 +53,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -57,6 +66,9 @@ class EngineConfig:
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
                              f"{', '.join(DTYPES)}.")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: use one "
+                             f"of {', '.join(map(repr, BACKENDS))}.")
 
     @property
     def torch_device(self) -> torch.device:

@@ -20,7 +20,7 @@ from .block_manager import BlockManager, num_blocks_for
 from .config import CPU_KV_CACHE_BYTES, EngineConfig
 from .default_model import resolve_model
 from .errors import EngineAsleepError
-from .memory import MemoryPlan, activation_bytes, plan_memory
+from .memory import MemoryPlan, activation_bytes, graph_pool_bytes, plan_memory
 from .model_runner import ModelRunner, kv_block_bytes
 from .models import architecture_of
 from .models.llama import LoraLinear
@@ -54,9 +54,12 @@ class LLMEngine:
         device = config.torch_device
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
-                                  config.block_size, self.eos_token_ids, config.seed)
+                                  config.block_size, self.eos_token_ids, config.seed,
+                                  config.attention_backend, config.enforce_eager,
+                                  config.max_num_seqs)
         self.num_kv_blocks = self._num_kv_blocks(hf_config, dtype)
         self.runner.allocate_kv_cache(self.num_kv_blocks)
+        self.runner.capture_graphs()
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -180,11 +183,12 @@ class LLMEngine:
         """True while any request is queued or running."""
         return bool(self.requests)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """The engine's counters.
 
         Memory held (and, when sized from a device share, the plan's parts as
-        ``memory_*``), KV pool use, queue lengths, weight version, prefix-cache hits,
+        ``memory_*``), the decode graphs (how many, the seconds and device bytes their last
+        capture took), KV pool use, queue lengths, weight version, prefix-cache hits,
         copy-on-write copies and preemptions.
         """
         block_manager = self.block_manager
@@ -193,6 +197,9 @@ class LLMEngine:
             "sleep_level": self.sleep_level,
             "weight_bytes": self.runner.weight_bytes(),
             "kv_cache_bytes": self.runner.kv_cache_bytes(),
+            "num_decode_graphs": len(self.runner.graphs.graphs) if self.runner.graphs else 0,
+            "graph_capture_seconds": self.runner.graph_capture_seconds,
+            "graph_bytes": self.runner.graph_bytes,
             "kv_blocks_total": block_manager.num_blocks,
             "kv_blocks_used": block_manager.num_used_blocks,
             "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
@@ -238,16 +245,24 @@ class LLMEngine:
 
     def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
                        alias: bool) -> None:
-        """Swap staged tensors in between steps; bump the version and the prefix-cache key."""
+        """Swap staged tensors in between steps; bump the version and the prefix-cache key.
+
+        A copy keeps every parameter's storage, so the decode graphs stay valid; an alias
+        that moves a parameter to new storage recaptures them.
+        """
         with self.lock, torch.no_grad():
             parameters = self.weight_parameters()
+            moved = False
             for name, tensor in staged.items():
                 if alias:
+                    moved |= parameters[name].data_ptr() != tensor.data_ptr()
                     parameters[name].data = tensor
                 else:
                     parameters[name].copy_(tensor)
             self.weight_version = version
             self.block_manager.extra_key = (version, None)
+            if moved:
+                self._recapture_graphs()
 
     def commit_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
                     version: int, lora_id: int) -> None:
@@ -271,6 +286,7 @@ class LLMEngine:
                 module.set_lora(factors.get(name))
             self.weight_version = version
             self.block_manager.extra_key = (version, lora_id)
+            self._recapture_graphs()  # the graphs were captured with or without adapters
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
@@ -294,6 +310,7 @@ class LLMEngine:
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore what ``sleep`` released: the weights, then a fresh (empty) KV pool.
 
+        Once both are back, the decode graphs are captured again (over the new pool).
         ``tags`` (vLLM's) restores only some: ``"weights"`` and/or ``"kv_cache"``, so a
         colocated trainer can take the weights back before its memory peak is over.
 
@@ -311,8 +328,13 @@ class LLMEngine:
             if "kv_cache" in tags and self.runner.kv_cache_bytes() == 0:
                 self.runner.allocate_kv_cache(self.num_kv_blocks)
                 self._new_pool()
-            if not self.weights_offloaded and self.runner.kv_cache_bytes() > 0:
+            if self.sleep_level and not self.weights_offloaded and self.runner.kv_cache_bytes():
                 self.sleep_level = 0
+                self.runner.capture_graphs()
+
+    def _recapture_graphs(self) -> None:
+        if not self.sleep_level:  # asleep, the graphs are gone; wake_up captures them
+            self.runner.capture_graphs()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block; later requests recompute their prompts."""
@@ -354,7 +376,8 @@ class LLMEngine:
         self.memory_plan = plan_memory(
             torch.cuda.get_device_properties(config.torch_device).total_memory,
             config.gpu_memory_utilization or 0.9, self.runner.weight_bytes(),
-            activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs))
+            activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs),
+            graph_pool_bytes(hf_config, self.runner.graph_sizes))
         return self.memory_plan.kv_cache_bytes
 
 

@@ -37,13 +37,15 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None,
                  gpu_memory_utilization: float | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0) -> None:
+                 enable_prefix_caching: bool = True, seed: int = 0,
+                 attention_backend: str = "auto", enforce_eager: bool = False) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed))
+            enable_prefix_caching=enable_prefix_caching, seed=seed,
+            attention_backend=attention_backend, enforce_eager=enforce_eager))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -93,7 +95,7 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""
         return self.engine.stats()
 

@@ -4,7 +4,8 @@ The share is ``gpu_memory_utilization`` × the device's *total* memory (vLLM's m
 what is free: a colocated trainer's memory must not shrink or grow the engine. Out of the
 share come the weights the engine owns, a reserve for staging a full weight update (the
 staged protocol holds a second copy until commit), the activation and logits peak of the
-largest step, and the KV pool, which gets the rest.
+largest step, the memory pool of the captured decode graphs, and the KV pool, which gets
+the rest.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from transformers import PretrainedConfig
+
+GRAPH_OVERHEAD_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -22,6 +25,7 @@ class MemoryPlan:
     weight_bytes: int
     staging_bytes: int
     activation_bytes: int
+    graph_bytes: int
     kv_cache_bytes: int
 
     def as_stats(self) -> dict[str, int]:
@@ -36,20 +40,35 @@ def activation_bytes(hf_config: PretrainedConfig, max_num_batched_tokens: int,
     return 4 * (max_num_batched_tokens * per_token + 4 * max_num_seqs * hf_config.vocab_size)
 
 
+def graph_pool_bytes(hf_config: PretrainedConfig, batch_sizes: list[int]) -> int:
+    """An upper estimate of the decode graphs' memory: one shared pool, sized by the largest.
+
+    The pool holds one float32 decode step's activations for the largest batch (the graphs
+    replay one at a time), plus ``GRAPH_OVERHEAD_BYTES`` per graph for what CUDA keeps of
+    each. Nothing when no graph is captured (``batch_sizes`` empty).
+    """
+    if not batch_sizes:
+        return 0
+    per_token = 4 * hf_config.hidden_size + 3 * hf_config.intermediate_size
+    return 4 * per_token * batch_sizes[-1] + GRAPH_OVERHEAD_BYTES * len(batch_sizes)
+
+
 def plan_memory(total_bytes: int, utilization: float, weight_bytes: int,
-                activations: int) -> MemoryPlan:
-    """Split ``utilization`` × ``total_bytes`` between weights, staging, activations and KV.
+                activations: int, graphs: int) -> MemoryPlan:
+    """Split ``utilization`` × ``total_bytes`` between weights, staging, activations, graphs
+    and KV.
 
     Raises:
         ValueError: when the fixed parts leave nothing for the KV pool, listing each part.
     """
     budget = int(utilization * total_bytes)
-    kv_cache = budget - 2 * weight_bytes - activations
+    kv_cache = budget - 2 * weight_bytes - activations - graphs
     if kv_cache <= 0:
         raise ValueError(
             f"gpu_memory_utilization={utilization} gives this engine {budget / 2**30:.2f} GiB, "
             f"but its weights take {weight_bytes / 2**30:.2f} GiB, staging a weight update "
-            f"{weight_bytes / 2**30:.2f} GiB and activations {activations / 2**30:.2f} GiB, "
-            "leaving nothing for the KV pool: raise gpu_memory_utilization, or lower "
-            "max_num_batched_tokens or max_num_seqs.")
-    return MemoryPlan(budget, weight_bytes, weight_bytes, activations, kv_cache)
+            f"{weight_bytes / 2**30:.2f} GiB, activations {activations / 2**30:.2f} GiB and "
+            f"decode graphs {graphs / 2**30:.2f} GiB, leaving nothing for the KV pool: raise "
+            "gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs (or set "
+            "enforce_eager=True).")
+    return MemoryPlan(budget, weight_bytes, weight_bytes, activations, graphs, kv_cache)

@@ -3,20 +3,23 @@
 The runner owns the model, the KV pool tensors and the sampler. It turns a
 ``ScheduledBatch`` into one flat token stream (``input_ids``, ``positions``,
 ``slot_mapping``, ``block_tables``, ``context_lens``, ``cu_seqlens_q``) and projects only the
-rows that sample through the LM head.
+rows that sample through the LM head. On CUDA with the Triton kernels it replays captured
+graphs for pure-decode steps (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import time
 from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata
+from tandem.kernels import AttentionMetadata, select_kernels
 
+from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
 from .models import build_model
 from .models.llama import head_dim_of
@@ -31,19 +34,32 @@ def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype
 
 
 class ModelRunner:
-    """Holds the model and its KV pool and executes scheduled steps."""
+    """Holds the model, its KV pool and its decode graphs, and executes scheduled steps.
+
+    Graphs are captured only on CUDA, with the Triton kernels (the torch reference
+    synchronises with the device) and without ``enforce_eager``; ``graph_sizes`` is empty
+    otherwise.
+    """
 
     def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, block_size: int,
-                 eos_token_ids: set[int], seed: int) -> None:
+                 eos_token_ids: set[int], seed: int, attention_backend: str = "auto",
+                 enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.model = build_model(hf_config, dtype, device, max_model_len)
+        self.ops = select_kernels(attention_backend, device)
+        self.model = build_model(hf_config, dtype, device, max_model_len, self.ops)
         load_weights(self.model, model_dir)
         self.model.eval()
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
+        self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
+        self.graphs: DecodeGraphs | None = None
+        self.graph_capture_seconds = 0.0
+        self.graph_bytes = 0
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones counted once)."""
@@ -63,8 +79,29 @@ class ModelRunner:
         """Bytes the KV pool holds (0 while freed)."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
+    def capture_graphs(self) -> None:
+        """Capture the decode graphs anew over the current pool and weights.
+
+        Call it after the pool or a weight's storage moved (graphs hold addresses). Records
+        the capture's seconds and the device memory it took. A no-op without graphs.
+        """
+        self.graphs = None
+        if not self.graph_sizes:
+            return
+        self._return_cached_device_memory()  # so the old graphs' pool does not hide the cost
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        start = time.perf_counter()
+        graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device)
+        with torch.inference_mode():
+            graphs.capture(self.model)
+        self.graph_capture_seconds = time.perf_counter() - start
+        self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        self.graphs = graphs
+
     def free_kv_cache(self) -> None:
-        """Release the KV pool's memory (``allocate_kv_cache`` restores a fresh one)."""
+        """Release the KV pool's memory and the graphs that read it (``allocate_kv_cache``
+        restores a fresh pool, ``capture_graphs`` the graphs)."""
+        self.graphs = None
         self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         for attention in self.model.attention_layers():
             attention.k_cache = attention.v_cache = self.kv_cache
@@ -98,13 +135,21 @@ class ModelRunner:
         """
         self._copy_blocks(batch.copies)
         input_ids, positions, metadata, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, metadata)
+        hidden = self._forward(input_ids, positions, metadata)
         logits = self.model.compute_logits(hidden[sample_rows]).float()
         groups = batch.sampling_groups()
         if any(len(group) > 1 for group in groups):
             sizes = torch.tensor([len(group) for group in groups], device=logits.device)
             logits = logits.repeat_interleave(sizes, dim=0)
         return self.sampler(logits, [seq for group in groups for seq in group])
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        graphs = self.graphs
+        if graphs is not None and metadata.num_decodes == num_tokens and graphs.fits(num_tokens):
+            return graphs.replay(input_ids, positions, metadata)
+        return self.model(input_ids, positions, metadata)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -142,7 +187,7 @@ class ModelRunner:
         metadata = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
             context_lens=self._tensor(context_lens), cu_seqlens_q=self._tensor(cu_seqlens_q),
-            num_decodes=batch.num_decodes)
+            num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
         return (self._tensor(input_ids), self._tensor(positions), metadata,
                 self._tensor(sample_rows))
 

@@ -1,11 +1,20 @@
-"""Tiny random models saved as Hugging Face folders (nothing comes from a hub)."""
+"""Tiny random models saved as Hugging Face folders (nothing comes from a hub).
+
+Without a GPU the Triton kernels run in Triton's interpreter, which must be switched on
+before Triton is first imported: here, before any test module imports anything.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from tandem.kernels import KernelOps
+
 from .llama import ArchitectureSpec, LlamaForCausalLM
 from .rotary import check_rope_type
 
@@ -32,11 +34,14 @@ def architecture_of(config: PretrainedConfig) -> str:
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                max_position: int) -> LlamaForCausalLM:
-    """An uninitialised model of the config's architecture, on ``device`` in ``dtype``."""
+                max_position: int, ops: KernelOps) -> LlamaForCausalLM:
+    """An uninitialised model of the config's architecture, on ``device`` in ``dtype``.
+
+    Every kernel of its forward pass runs through ``ops``.
+    """
     spec = ARCHITECTURES[architecture_of(config)]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, spec, max_position, device)
+        model = LlamaForCausalLM(config, spec, max_position, device, ops)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     return model

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, paged_attention, store_kv
+from tandem.kernels import AttentionMetadata, KernelOps
 
-from .rotary import RotaryEmbedding, apply_rotary
+from .rotary import RotaryEmbedding
 
-Rope = tuple[torch.Tensor, torch.Tensor]
+Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,23 +62,24 @@ class LoraLinear(nn.Linear):
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32 as transformers does."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise ``x`` over its last dimension and scale by ``weight``."""
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` (plus ``residual``, returning the sum too; see ``rms_norm``)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
     """Self-attention that writes this step's K/V into the pool and reads through it."""
 
-    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -92,8 +93,8 @@ class LlamaAttention(nn.Module):
         self.v_proj = LoraLinear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = LoraLinear(q_size, hidden, bias=o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -105,17 +106,18 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
-        out = paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
+        self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
+        self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
     """SiLU-gated feed-forward block."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
         self.gate_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
@@ -124,56 +126,66 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each with a residual connection."""
+    """Pre-norm attention and MLP, each with a residual connection.
 
-    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec) -> None:
+    The residual add is fused into the next norm (vLLM's layout): a layer takes and returns
+    the MLP output and the residual stream separately.
+    """
+
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, spec)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, spec, ops)
+        self.mlp = LlamaMLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        """One transformer block on the flat token stream."""
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None,
+                metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One transformer block; ``residual`` is None for the first layer."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
-                 device: torch.device) -> None:
+                 device: torch.device, ops: KernelOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_position, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, spec) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            LlamaDecoderLayer(config, spec, ops) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Final hidden states ``[tokens, hidden]`` of the flat token stream."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)
+        rope = (positions, self.rotary_emb.cos, self.rotary_emb.sin)
+        residual = None
         for layer in self.layers:
-            hidden = layer(rope, hidden, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, metadata)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM; ``lm_head`` shares the embedding when the config ties them."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
-                 device: torch.device) -> None:
+                 device: torch.device, ops: KernelOps) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, spec, max_position, device)
+        self.model = LlamaModel(config, spec, max_position, device, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 

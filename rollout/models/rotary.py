@@ -24,11 +24,12 @@ def check_rope_type(config: PretrainedConfig) -> None:
 
 
 class RotaryEmbedding:
-    """cos and sin tables of every position up to ``max_position`` (rotate-half layout).
+    """cos and sin tables ``[max_position, head_dim]`` of every position (rotate-half layout).
 
-    They are computed once in float32, as transformers computes them, and cast to the model
-    dtype when looked up. Not a module: the tables are neither parameters nor model-dtype
-    buffers, and stay put when the model is built on the meta device.
+    They are computed once in float32, as transformers computes them; the kernels'
+    ``rotary_embedding`` looks a step's positions up in them. Not a module: the tables are
+    neither parameters nor model-dtype buffers, and stay put when the model is built on the
+    meta device.
     """
 
     def __init__(self, config: PretrainedConfig, head_dim: int, max_position: int,
@@ -39,23 +40,6 @@ class RotaryEmbedding:
             emb = torch.outer(positions, inv_freq).repeat(1, 2)
         self.cos = (emb.cos() * attention_scaling).to(device)
         self.sin = (emb.sin() * attention_scaling).to(device)
-
-    def __call__(self, positions: torch.Tensor,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[tokens, 1, head_dim]`` of each position, in ``dtype``."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin[positions].to(dtype).unsqueeze(1))
-
-
-def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``query`` and ``key`` ``[tokens, heads, head_dim]`` by cos and sin."""
-    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:

@@ -1,0 +1,291 @@
+"""Paged attention in Triton: ``store_kv`` and ``paged_attention`` with the reference's signatures.
+
+Decodes (one query token per sequence) run one program per (sequence, KV head, split): the
+program holds all query heads of its KV head (GQA), walks its share of the context through
+the block table and keeps an online softmax in float32. With few sequences and long contexts
+the context is split across programs (flash-decoding) and a second kernel merges the
+splits by their log-sum-exp. Prefill chunks run one program per (sequence, head, query
+tile), causal, reading every key (earlier chunks, prefix-cache hits and this step's, which
+``store_kv`` wrote first) from the pool.
+
+Scores and products are accumulated in float32. Matrix products take float16/bfloat16
+operands on a GPU (tensor cores, products exact in float32); the Triton interpreter
+computes bfloat16 products wrongly, so there every operand is converted to float32 right
+after it is loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import AttentionMetadata
+
+MAX_SPLITS = 16
+LOG2E = 1.4426950408889634
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool.
+
+    Tokens whose slot is -1 (padding) are skipped.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    key, value = _rows_contiguous(key), _rows_contiguous(value)
+    _store_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *k_cache.stride()[:3], num_kv_heads, head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_H=_pow2(num_kv_heads), BLOCK_D=_pow2(head_dim))
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool.
+
+    Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
+    its own sequence at positions up to its own. Returns ``[num_tokens, num_heads, head_dim]``.
+    Never synchronises with the device, so a pure-decode step can be captured in a graph.
+    """
+    output = torch.empty_like(query)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        paged_decode_attention(query[:num_decodes], k_cache, v_cache,
+                               metadata.block_tables[:num_decodes],
+                               metadata.context_lens[:num_decodes], scale,
+                               output=output[:num_decodes])
+    num_prefills = metadata.context_lens.shape[0] - num_decodes
+    if num_prefills:
+        _prefill_attention(query, k_cache, v_cache, metadata, scale, output, num_prefills)
+    return output
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           num_splits: int | None = None,
+                           output: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence ``[num_seqs, num_heads, head_dim]``.
+
+    ``num_splits`` splits each context across that many programs (default: enough programs
+    to fill the device). Writes into ``output`` when given; returns the output. A sequence
+    whose context length is 0 (graph padding) gets zeros.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    if output is None:
+        output = torch.empty_like(query)
+    if num_splits is None:
+        num_splits = _num_splits(num_seqs * num_kv_heads, query.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    partial = output.unsqueeze(2) if num_splits == 1 else torch.empty(
+        num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+    group = num_heads // num_kv_heads
+    block_d = _pow2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, block_tables, context_lens, partial, lse, scale * LOG2E,
+        query.stride(0), query.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
+        BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
+        BLOCK_N=32 if block_d >= 128 else 64, BLOCK_D=block_d, UPCAST=_interpreting(),
+        num_warps=4)
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            partial, lse, output, *partial.stride()[:3], *lse.stride()[:2],
+            output.stride(0), output.stride(1), num_splits, head_dim,
+            BLOCK_S=_pow2(num_splits), BLOCK_D=block_d)
+    return output
+
+
+def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: AttentionMetadata, scale: float, output: torch.Tensor,
+                       num_prefills: int) -> None:
+    num_heads, head_dim = query.shape[1:]
+    block_m = 16 if _interpreting() else 64
+    grid = (num_prefills, num_heads, triton.cdiv(metadata.max_query_len, block_m))
+    _prefill_kernel[grid](
+        query, k_cache, v_cache, metadata.block_tables, metadata.context_lens,
+        metadata.cu_seqlens_q, output, scale * LOG2E, metadata.num_decodes,
+        query.stride(0), query.stride(1), *k_cache.stride()[:3],
+        metadata.block_tables.stride(0), output.stride(0), output.stride(1), head_dim,
+        BLOCK_SIZE=k_cache.shape[1], GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m,
+        BLOCK_N=block_m, BLOCK_D=_pow2(head_dim), UPCAST=_interpreting(), num_warps=4)
+
+
+@triton.jit
+def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, stride_kt, stride_kh,
+                     stride_vt, stride_vh, stride_cb, stride_ct, stride_ch, num_kv_heads,
+                     head_dim, BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token)
+    if slot < 0:
+        return
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < num_kv_heads) & (d < head_dim)
+    cache_offset = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct
+    cache_offset += h * stride_ch + d
+    k = tl.load(key + token * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(k_cache + cache_offset, k.to(tl.float32), mask=mask)
+    v = tl.load(value + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(v_cache + cache_offset, v.to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _attend_tile(q, k_cache, v_cache, block_table, kv_head, n, n_in, n_valid, d, d_mask,
+                 row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
+                 BLOCK_SIZE: tl.constexpr):
+    """Fold the keys ``n`` into the online softmax ``(row_max, row_sum, acc)``.
+
+    ``n_in`` marks the keys inside the context; ``n_valid`` (rows × keys, or 1 × keys) those
+    each query row may see. The products take ``q``'s type for their operands.
+    """
+    block = tl.load(block_table + n // BLOCK_SIZE, mask=n_in, other=0)
+    offset = (block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch)[:, None]
+    kv_mask = n_in[:, None] & d_mask[None, :]
+    k = tl.load(k_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    scores = tl.where(n_valid, scores, float("-inf"))
+    m_new = tl.maximum(row_max, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(row_max - m_new)
+    v = tl.load(v_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
+    return m_new, row_sum * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _decode_kernel(query, k_cache, v_cache, block_tables, context_lens, partial, lse,
+                   scale_log2, stride_qt, stride_qh, stride_cb, stride_ct, stride_ch,
+                   stride_bt, stride_ps, stride_ph, stride_psplit, stride_ls, stride_lh,
+                   num_splits, head_dim, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context_len = tl.load(context_lens + seq)
+    split_len = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, context_len)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d_mask = d < head_dim
+    mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(query + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=mask,
+                other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n_start in range(start, end, BLOCK_N):
+        n = n_start + tl.arange(0, BLOCK_N)
+        n_in = n < end
+        row_max, row_sum, acc = _attend_tile(
+            q, k_cache, v_cache, block_tables + seq * stride_bt, kv_head, n, n_in,
+            n_in[None, :], d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct,
+            stride_ch, BLOCK_SIZE)
+    has_keys = row_sum > 0
+    out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
+    tl.store(partial + seq * stride_ps + heads[:, None] * stride_ph + split * stride_psplit
+             + d[None, :], out, mask=mask)
+    log_sum = row_max + tl.log2(tl.where(has_keys, row_sum, 1.0))
+    tl.store(lse + seq * stride_ls + heads * stride_lh + split,
+             tl.where(has_keys, log_sum, float("-inf")), mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(partial, lse, output, stride_ps, stride_ph, stride_psplit,
+                         stride_ls, stride_lh, stride_ot, stride_oh, num_splits, head_dim,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_mask = s < num_splits
+    split_lse = tl.load(lse + seq * stride_ls + head * stride_lh + s, mask=s_mask,
+                        other=float("-inf"))
+    top = tl.max(split_lse, 0)
+    weights = tl.exp2(split_lse - tl.where(top == float("-inf"), 0.0, top))
+    mask = s_mask[:, None] & (d < head_dim)[None, :]
+    parts = tl.load(partial + seq * stride_ps + head * stride_ph + s[:, None] * stride_psplit
+                    + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(output + seq * stride_ot + head * stride_oh + d, out, mask=d < head_dim)
+
+
+@triton.jit
+def _prefill_kernel(query, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, output,
+                    scale_log2, num_decodes, stride_qt, stride_qh, stride_cb, stride_ct,
+                    stride_ch, stride_bt, stride_ot, stride_oh, head_dim,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+    seq = num_decodes + tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    context_len = tl.load(context_lens + seq)
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    positions = context_len - q_len + rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < head_dim
+    mask = (rows < q_len)[:, None] & d_mask[None, :]
+    q_offset = (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(query + q_offset, mask=mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
+    for n_start in range(0, end, BLOCK_N):
+        n = n_start + tl.arange(0, BLOCK_N)
+        n_in = n < end
+        n_valid = (n[None, :] <= positions[:, None]) & n_in[None, :]
+        row_max, row_sum, acc = _attend_tile(
+            q, k_cache, v_cache, block_tables + seq * stride_bt, head // GROUP, n, n_in, n_valid,
+            d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
+            BLOCK_SIZE)
+    out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+    tl.store(output + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out, mask=mask)
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a contiguous last dimension (the kernels index it with stride 1)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(n)
+
+
+def _interpreting() -> bool:
+    """True under Triton's interpreter, where products must take float32 operands."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _num_splits(num_programs: int, device: torch.device) -> int:
+    """Splits per context so that about two programs run per streaming multiprocessor."""
+    return max(1, min(MAX_SPLITS, 2 * _num_processors(device) // num_programs))
+
+
+@functools.cache
+def _num_processors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count

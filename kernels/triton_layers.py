@@ -1,0 +1,119 @@
+"""Per-token layer operations in Triton, with the signatures of ``layers.py``.
+
+Each kernel converts what it loads to float32 and rounds to the model dtype where the
+reference does, so the two backends agree to the last bit on most elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ELEMENTWISE_BLOCK = 1024
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Normalise ``x`` over its last dimension (in float32) and scale by ``weight``.
+
+    With ``residual``, first adds it to ``x`` (in the model dtype) and returns
+    ``(normalised sum, sum)``, the sum being the next layer's residual; else returns the
+    normalised ``x``.
+    """
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    summed = out if residual is None else torch.empty_like(x)
+    num_rows = x.numel() // x.shape[-1]
+    if num_rows:
+        _rms_norm_kernel[(num_rows,)](
+            x, x if residual is None else residual.contiguous(), weight, out, summed,
+            x.shape[-1], eps, HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(x.shape[-1]))
+    return out if residual is None else (out, summed)
+
+
+def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
+    """Rotate ``query`` and ``key`` ``[tokens, heads, head_dim]`` in place (rotate-half layout).
+
+    ``cos_cache`` and ``sin_cache`` are ``[max_position, head_dim]`` tables (float32); row
+    ``positions[t]`` rotates token t.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    if num_tokens == 0:
+        return
+    num_kv_heads = key.shape[1]
+    _rotary_kernel[(num_tokens,)](
+        positions, query, key, cos_cache, sin_cache, query.stride(0), query.stride(1),
+        key.stride(0), key.stride(1), cos_cache.stride(0), num_heads, num_kv_heads,
+        head_dim // 2, BLOCK_H=triton.next_power_of_2(max(num_heads, num_kv_heads)),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2))
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the gated activation of a Llama MLP."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    numel = gate.numel()
+    if numel:
+        _silu_and_mul_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
+            gate, up, out, numel, BLOCK=ELEMENTWISE_BLOCK)
+    return out
+
+
+@triton.jit
+def _rms_norm_kernel(x, residual, weight, out, summed, hidden, eps, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * hidden + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < hidden
+    values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        values += tl.load(residual + offsets, mask=mask, other=0.0).to(tl.float32)
+        values = values.to(summed.dtype.element_ty)
+        tl.store(summed + offsets, values, mask=mask)
+        values = values.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(values * values, 0) / hidden + eps)
+    normed = (values * inv_rms).to(out.dtype.element_ty).to(tl.float32)
+    scale = tl.load(weight + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + offsets, normed * scale, mask=mask)
+
+
+@triton.jit
+def _rotate_heads(x, stride_h, num_heads, cos, sin, half, BLOCK_H: tl.constexpr,
+                  BLOCK_HALF: tl.constexpr):
+    """Rotate ``num_heads`` heads of one token at ``x`` by ``cos``/``sin`` ``[BLOCK_HALF]``."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    i = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (i < half)
+    first = x + h * stride_h + i
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + half, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, x1 * cos[None, :] - x2 * sin[None, :], mask=mask)
+    tl.store(first + half, x2 * cos[None, :] + x1 * sin[None, :], mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions, query, key, cos_cache, sin_cache, stride_qt, stride_qh,
+                   stride_kt, stride_kh, stride_cos, num_heads, num_kv_heads, half,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    token = tl.program_id(0)
+    position = tl.load(positions + token)
+    i = tl.arange(0, BLOCK_HALF)
+    cos = tl.load(cos_cache + position * stride_cos + i, mask=i < half, other=0.0)
+    sin = tl.load(sin_cache + position * stride_cos + i, mask=i < half, other=0.0)
+    _rotate_heads(query + token * stride_qt, stride_qh, num_heads, cos, sin, half, BLOCK_H,
+                  BLOCK_HALF)
+    _rotate_heads(key + token * stride_kt, stride_kh, num_kv_heads, cos, sin, half, BLOCK_H,
+                  BLOCK_HALF)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate, up, out, numel, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    g = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + offsets, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + offsets, silu * u, mask=mask)

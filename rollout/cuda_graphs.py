@@ -1,0 +1,114 @@
+"""CUDA graphs of pure-decode steps: a ladder of batch sizes over static input buffers.
+
+A decode step of a small model is mostly kernel launches; replaying a captured graph
+launches the whole forward pass at once. One graph is captured per batch size of the ladder
+(largest first, all sharing one memory pool, since only one replays at a time). A step of
+``n`` sequences replays the smallest captured size ``>= n``: its inputs are copied into the
+static buffers, and the rows past ``n`` are padding (slot -1, so nothing is written to the
+KV pool, and context length 0, so nothing is read). Logits and sampling stay outside.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+
+from tandem.kernels import AttentionMetadata
+
+SMALL_SIZES = (1, 2, 4)
+Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The ladder: 1, 2, 4, multiples of 8 up to 64, then of 16, and ``max_num_seqs``."""
+    ladder = [*SMALL_SIZES, *range(8, 64, 8), *range(64, max_num_seqs, 16)]
+    return sorted({size for size in ladder if size < max_num_seqs} | {max_num_seqs})
+
+
+def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int | None:
+    """The smallest of the sorted ``batch_sizes`` that holds ``num_seqs`` (None: none does)."""
+    index = bisect.bisect_left(batch_sizes, num_seqs)
+    return batch_sizes[index] if index < len(batch_sizes) else None
+
+
+class DecodeGraphs:
+    """Captured decode graphs and the static buffers they read (their one owner).
+
+    ``stage`` copies a step's inputs into the buffers and pads them; ``capture`` and
+    ``replay`` need CUDA, ``stage`` does not (so padding is testable anywhere).
+    """
+
+    def __init__(self, batch_sizes: list[int], max_blocks_per_seq: int,
+                 device: torch.device) -> None:
+        self.batch_sizes = batch_sizes
+        max_size = batch_sizes[-1]
+        self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
+        self.context_lens = torch.zeros(max_size, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.long,
+                                        device=device)
+        self.cu_seqlens_q = torch.arange(max_size + 1, dtype=torch.long, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def fits(self, num_seqs: int) -> bool:
+        """True when a captured graph can run a decode step of ``num_seqs`` sequences."""
+        return bool(self.graphs) and num_seqs <= self.batch_sizes[-1]
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The attention metadata of a ``size``-sequence decode step, over the buffers."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+            num_decodes=size, max_query_len=1)
+
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              metadata: AttentionMetadata) -> int:
+        """Copy a decode step's inputs into the buffers, pad them; return the graph's size.
+
+        Raises:
+            ValueError: when no captured size holds the step.
+        """
+        num_seqs = input_ids.shape[0]
+        size = padded_batch_size(self.batch_sizes, num_seqs)
+        if size is None:
+            raise ValueError(f"no decode graph holds {num_seqs} sequences (largest: "
+                             f"{self.batch_sizes[-1]}).")
+        self.input_ids[:num_seqs].copy_(input_ids)
+        self.positions[:num_seqs].copy_(positions)
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
+        self.slot_mapping[num_seqs:size].fill_(-1)
+        self.context_lens[:num_seqs].copy_(metadata.context_lens)
+        self.context_lens[num_seqs:size].fill_(0)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+        return size
+
+    def capture(self, forward: Forward) -> None:
+        """Capture ``forward`` for every batch size, largest first, in one memory pool.
+
+        Each size runs once uncaptured first, so kernels compile outside the capture. The
+        buffers hold padding meanwhile: nothing touches the KV pool.
+        """
+        pool = None
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(0)
+        for size in reversed(self.batch_sizes):
+            args = (self.input_ids[:size], self.positions[:size], self.metadata(size))
+            forward(*args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = forward(*args)
+            pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """Run a decode step through its graph; the hidden states ``[num_seqs, hidden]``."""
+        size = self.stage(input_ids, positions, metadata)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:input_ids.shape[0]]

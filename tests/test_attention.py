@@ -1,0 +1,108 @@
+"""Paged attention kernels, both backends, against the torch reference run in float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import TORCH_OPS, AttentionMetadata
+
+from .kernel_checks import BACKENDS, TOLERANCE, relative_error
+
+BLOCK_SIZE = 16
+HEAD_DIM = 32
+
+
+def shuffled_block_tables(context_lens: list[int], num_blocks: int,
+                          generator: torch.Generator) -> torch.Tensor:
+    """Each sequence's blocks drawn from a shuffled pool, padded with block 0."""
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for context_len in context_lens:
+        count = -(-context_len // BLOCK_SIZE)
+        tables.append(order[:count])
+        order = order[count + 1:]  # skip one: a sequence's blocks are not a contiguous run
+    width = max(len(table) for table in tables)
+    return torch.tensor([table + [0] * (width - len(table)) for table in tables])
+
+
+def paged_batch(decode_lens: list[int], prefills: list[tuple[int, int]], num_kv_heads: int,
+                group: int, dtype: torch.dtype, seed: int = 0):
+    """A random pool and a step of decodes (context lengths) then prefills (query, context)."""
+    generator = torch.Generator().manual_seed(seed)
+    context_lens = decode_lens + [context for _, context in prefills]
+    query_lens = [1] * len(decode_lens) + [query for query, _ in prefills]
+    num_blocks = sum(-(-c // BLOCK_SIZE) + 1 for c in context_lens) + 3
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, HEAD_DIM,
+                        generator=generator).to(dtype)
+    cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        block_tables=shuffled_block_tables(context_lens, num_blocks, generator),
+        context_lens=torch.tensor(context_lens), cu_seqlens_q=cu_seqlens_q,
+        num_decodes=len(decode_lens), max_query_len=max(query_lens))
+    return query, k_cache, v_cache, metadata
+
+
+def float64_attention(query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
+    return TORCH_OPS.paged_attention(query.double(), k_cache.double(), v_cache.double(),
+                                     metadata, scale)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3), (1, 8)])
+def test_mixed_decode_and_prefill_step_matches_float64(backend, dtype, num_kv_heads, group):
+    # Decode contexts 1, one block, a block plus one; prefills: a whole prompt, a chunk whose
+    # earlier keys are already in the pool, and a chunk ending on a block boundary.
+    query, k_cache, v_cache, metadata = paged_batch(
+        [1, 16, 17], [(19, 19), (5, 37), (32, 48)], num_kv_heads, group, dtype)
+    out = BACKENDS[backend].paged_attention(query, k_cache, v_cache, metadata, 0.125)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
+    assert out.dtype == dtype
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_split_decode_matches_float64(dtype, num_splits):
+    from tandem.kernels.triton_attention import paged_decode_attention
+
+    query, k_cache, v_cache, metadata = paged_batch([1, 64, 150], [], 2, 3, dtype, seed=1)
+    out = paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
+                                 metadata.context_lens, 0.2, num_splits=num_splits)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.2)
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_of_an_empty_context_is_zero(num_splits):
+    from tandem.kernels.triton_attention import paged_decode_attention
+
+    query, k_cache, v_cache, metadata = paged_batch([20, 20], [], 2, 2, torch.float32)
+    context_lens = torch.tensor([20, 0])
+    out = paged_decode_attention(query, k_cache, v_cache, metadata.block_tables, context_lens,
+                                 0.2, num_splits=num_splits)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.2)
+    assert relative_error(out[:1], reference[:1]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
+def test_store_kv_writes_each_slot_and_skips_padding(backend, dtype):
+    generator = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(6, BLOCK_SIZE, 3, HEAD_DIM, generator=generator).to(dtype)
+    v_cache = torch.randn(6, BLOCK_SIZE, 3, HEAD_DIM, generator=generator).to(dtype)
+    slot_mapping = torch.tensor([17, -1, 0, 95, 40, -1, 16])
+    key = torch.randn(7, 3, HEAD_DIM, generator=generator).to(dtype)
+    value = torch.randn(7, 3, HEAD_DIM, generator=generator).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    written = slot_mapping >= 0
+    expected_k.view(-1, 3, HEAD_DIM)[slot_mapping[written]] = key[written]
+    expected_v.view(-1, 3, HEAD_DIM)[slot_mapping[written]] = value[written]
+    BACKENDS[backend].store_kv(key, value, k_cache, v_cache, slot_mapping)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)

@@ -1,0 +1,53 @@
+"""Backend selection, and the whole Triton path end to end against the torch path.
+
+On a CPU the Triton kernels run in Triton's interpreter (conftest switches it on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.kernels import TORCH_OPS, select_kernels
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.config import EngineConfig
+
+SHARED = list(range(40, 75))  # two full blocks and more: a prefix-cache hit for the second
+
+
+def test_auto_is_torch_on_cpu_and_forced_backends_are_honoured():
+    assert select_kernels("auto", torch.device("cpu")) is TORCH_OPS
+    assert select_kernels("torch", torch.device("cuda")) is TORCH_OPS
+    assert select_kernels("triton", torch.device("cpu")).name == "triton"
+
+
+def test_unknown_backend_is_refused_naming_the_valid_ones():
+    with pytest.raises(ValueError, match="attention_backend='cuda'.*'auto', 'triton', 'torch'"):
+        EngineConfig(model="x", attention_backend="cuda")
+    with pytest.raises(ValueError, match="'auto', 'triton', 'torch'"):
+        select_kernels("flash", torch.device("cpu"))
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        select_kernels("triton", torch.device("cpu"))
+
+
+def test_triton_backend_greedy_output_equals_torch_backend(model_dir):
+    # Qwen3 (q/k norms), chunked prefill (16-token budget), a prefix-cache hit and a forked
+    # group: every kernel path of a step runs.
+    prompts = [SHARED + [5, 9], [7, 3], SHARED + [11]]
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
+              SamplingParams(n=2, temperature=0, max_tokens=5, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)]
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir("qwen3")), attention_backend=backend, num_kv_blocks=32,
+                  max_num_batched_tokens=16)
+        outputs[backend] = [c for o in llm.generate(prompts, params, use_tqdm=False)
+                            for c in o.outputs]
+        assert llm.stats()["prefix_cache_hit_tokens"] > 0
+    for ours, reference in zip(outputs["triton"], outputs["torch"]):
+        assert ours.token_ids == reference.token_ids
+        assert ours.logprobs == pytest.approx(reference.logprobs, abs=1e-4)
