@@ -355,7 +355,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 def _add_error_handlers(app: FastAPI) -> None:
     def answer(status: int, message: str, error_type: str = "invalid_request_error",
                param: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(message, error_type, param, status), status_code=status)
+        return JSONResponse(error_body(message, error_type, param), status_code=status)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -365,7 +365,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
         error = exc.errors()[0]
         if error["type"] == "json_invalid":
-            return answer(400, f"the body is not valid JSON: {error.get('ctx', {})}")
+            return answer(400, f"the body is not valid JSON: "
+                          f"{error.get('ctx', {}).get('error', error['msg'])}")
         param = ".".join(str(part) for part in error["loc"][1:]) or None
         return answer(400, f"{param or 'body'}: {error['msg']}", param=param)
 
