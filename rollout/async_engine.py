@@ -200,8 +200,9 @@ class AsyncLLMEngine:
         request_ids = list(self._tracked)
         outputs = await self.call(lambda: [self.engine.abort_request(r) for r in request_ids])
         for request_id, output in zip(request_ids, outputs):
-            tracked = self._tracked.pop(request_id, None)
-            if tracked is not None and output is not None:
+            # None: the engine had not seen it yet (its add was still queued); it runs on.
+            tracked = self._tracked.pop(request_id, None) if output is not None else None
+            if tracked is not None:
                 self.metrics.aborted_requests += 1
                 tracked.outputs.put_nowait(output)
         self._update_state()
