@@ -255,33 +255,39 @@ def _event(line: str) -> dict | None:
     return json.loads(line.removeprefix("data: "))
 
 
-def test_pause_keep_freezes_requests_until_resume_and_abort_ends_them(served):
+def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served):
     url, engine = served
     client = openai_client(url)
     results: list = []
-    worker = threading.Thread(target=lambda: results.append(client.completions.create(
-        model=MODEL, prompt=PROMPTS[1], max_tokens=60, extra_body={"ignore_eos": True})))
-    worker.start()
-    while not engine.requests or not next(iter(engine.requests.values())).num_output_tokens:
-        time.sleep(0.005)
-    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=AUTH).status_code == 200
-    frozen = next(iter(engine.requests.values())).num_output_tokens
-    time.sleep(0.2)
-    assert next(iter(engine.requests.values())).num_output_tokens == frozen < 60
-    assert httpx.get(f"{url}/is_paused", headers=AUTH).json() == {"is_paused": True}
-    httpx.post(f"{url}/resume", headers=AUTH)
-    worker.join(60)
-    assert results[0].choices[0].finish_reason == "length"
 
-    worker = threading.Thread(target=lambda: results.append(client.completions.create(
-        model=MODEL, prompt=PROMPTS[1], max_tokens=60, extra_body={"ignore_eos": True})))
-    worker.start()
-    while not engine.requests:
-        time.sleep(0.005)
+    def request() -> threading.Thread:
+        worker = threading.Thread(target=lambda: results.append(client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=60, extra_body={"ignore_eos": True})))
+        worker.start()
+        return worker
+
+    def generated() -> int:
+        return sum(r.num_output_tokens for r in list(engine.requests.values()))
+
+    worker = request()
+    while not generated():
+        time.sleep(0.002)
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=AUTH).status_code == 200
+    frozen = generated()
+    time.sleep(0.2)
+    assert generated() == frozen < 60
+    assert httpx.get(f"{url}/is_paused", headers=AUTH).json() == {"is_paused": True}
     httpx.post(f"{url}/pause", params={"mode": "abort"}, headers=AUTH)
     worker.join(60)
+    assert results[0].choices[0].finish_reason == "abort"
+    assert results[0].usage.completion_tokens == frozen
+
+    worker = request()
+    time.sleep(0.2)
+    assert not engine.requests  # held until /resume
     httpx.post(f"{url}/resume", headers=AUTH)
-    assert results[1].choices[0].finish_reason == "abort"
+    worker.join(60)
+    assert results[1].choices[0].finish_reason == "length"
     wait_until_idle(engine)
     assert engine.stats()["kv_blocks_used"] == 0
 
