@@ -1,17 +1,26 @@
 """The ``tandem`` command line: ``tandem generate --model M --prompt TEXT [-n 8 ...]`` and
-``tandem train RECIPE.yaml [overrides]``.
+``tandem serve MODEL [--port 8000 --api-key KEY ...]`` and ``tandem train RECIPE.yaml
+[overrides]``.
 
 ``train`` lives in ``tandem.trainers`` (which builds on the engine); this module reaches it
-only through the import in ``build_parser``, so the engine never imports trainer code.
+only through the imports in ``build_parser`` and ``main``, so the engine never imports
+trainer code.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 import sys
 import time
+import typing
 
+from .config import EngineConfig
 from .default_model import DEFAULT_MODEL
+from .server_config import ServerConfig
+
+ARGUMENT_TYPES = (bool, int, float, str)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,10 +42,51 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=None, help="per-request seed")
     generate.add_argument("--dtype", default="auto")
     generate.add_argument("--device", default=None)
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible, "
+                                "RL and weight-transfer endpoints)")
+    serve.add_argument("model", help=f"local Hugging Face folder or {DEFAULT_MODEL!r}")
+    add_config_arguments(serve, EngineConfig, skip={"model"})
+    add_config_arguments(serve, ServerConfig)
     from tandem.trainers.cli import add_train_parser
 
     add_train_parser(commands)
     return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_class: type,
+                         skip: set[str] = frozenset()) -> None:
+    """One ``--field-name`` option per field of a config dataclass, typed and documented
+    from the class (its annotations and its docstring's ``Attributes:``)."""
+    docs = _attribute_docs(config_class)
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        if field.name in skip:
+            continue
+        kind = _argument_type(hints[field.name])
+        options = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
+        parser.add_argument(f"--{field.name.replace('_', '-')}", default=field.default,
+                            help=f"{docs.get(field.name, '')} (default: {field.default})",
+                            **options)
+
+
+def config_from_arguments(config_class: type, args: argparse.Namespace) -> typing.Any:
+    """Build ``config_class`` from the parsed options ``add_config_arguments`` added."""
+    names = {field.name for field in dataclasses.fields(config_class)}
+    return config_class(**{name: value for name, value in vars(args).items() if name in names})
+
+
+def _argument_type(hint: typing.Any) -> type:
+    candidates = typing.get_args(hint) or (hint,)
+    return next(kind for kind in candidates if kind in ARGUMENT_TYPES)
+
+
+def _attribute_docs(config_class: type) -> dict[str, str]:
+    """``name: text`` entries of the docstring's Attributes section (continuations joined)."""
+    docs: dict[str, str] = {}
+    section = (config_class.__doc__ or "").partition("Attributes:")[2]
+    for name, text in re.findall(r"^\s{8}(\w+): (.*(?:\n\s{12}.*)*)", section, re.MULTILINE):
+        docs[name] = " ".join(text.split())
+    return docs
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -62,6 +112,19 @@ def generate(args: argparse.Namespace) -> None:
     print(f"{num_tokens} tokens in {seconds:.2f} s ({num_tokens / seconds:.1f} tok/s)")
 
 
+def serve(args: argparse.Namespace) -> None:
+    """Run ``tandem serve``: load the engine, then serve it until interrupted."""
+    try:
+        from .server import serve as serve_engine
+    except ImportError as error:
+        raise ValueError(f"tandem serve needs the serve extra: pip install "
+                         f"'tandem-rollout[serve]' ({error}).") from error
+    from .engine import LLMEngine
+
+    engine = LLMEngine(config_from_arguments(EngineConfig, args))
+    serve_engine(engine, config_from_arguments(ServerConfig, args))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tandem`` command; returns the exit status."""
     args = build_parser().parse_args(argv)
@@ -70,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             from tandem.trainers.cli import train
 
             return train(args)
-        generate(args)
+        {"generate": generate, "serve": serve}[args.command](args)
     except ValueError as error:
         print(f"tandem: error: {error}", file=sys.stderr)
         return 2

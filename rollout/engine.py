@@ -95,6 +95,26 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}).")
         return list(prompt)
 
+    def apply_chat_template(self, conversation: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation under the model's chat template.
+
+        The template supplies the special tokens (nothing is added on top).
+
+        Raises:
+            ValueError: when the model has no tokenizer or chat template, or the template
+                refuses the messages.
+        """
+        tokenizer = self.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this model has no chat template: give a prompt instead.")
+        try:
+            return list(tokenizer.apply_chat_template(
+                conversation, tokenize=True, return_dict=False,
+                add_generation_prompt=add_generation_prompt))
+        except Exception as exc:  # jinja's errors, and a template's own raise_exception
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError when a prompt is empty or too long for the model and the KV pool.
 
@@ -172,12 +192,30 @@ class LLMEngine:
                 finished += self._pop_if_finished(seq.request_id)
         return finished
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks.
+
+        Returns its output so far (unfinished completions with finish_reason "abort"), or
+        None for an unknown or finished id.
+        """
         request = self.requests.pop(request_id, None)
-        for seq in request.seqs if request else []:
+        if request is None:
+            return None
+        for seq in request.seqs:
             if not seq.is_finished:
                 self._finish(seq, "abort")
+        return self.output_processor.make_output(request, self.weight_version)
+
+    def request_output(self, request_id: str) -> RequestOutput:
+        """The output so far of an unfinished request (``finished`` False), for streaming.
+
+        Raises:
+            KeyError: for an unknown or finished request id.
+        """
+        output = self.output_processor.make_output(self.requests[request_id],
+                                                   self.weight_version)
+        output.finished = False
+        return output
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""

@@ -63,8 +63,8 @@ class LLM:
         Raises:
             ValueError: for any invalid prompt or parameter list, before anything is queued.
         """
-        prompt_list = _as_prompt_list(prompts)
-        params = _params_per_prompt(sampling_params, len(prompt_list))
+        prompt_list = as_prompt_list(prompts)
+        params = params_per_prompt(sampling_params, len(prompt_list))
         token_ids = [self.engine.tokenize(p) for p in prompt_list]
         for ids in token_ids:
             self.engine.check_prompt(ids)
@@ -85,13 +85,9 @@ class LLM:
         Raises:
             ValueError: when the model has no tokenizer or chat template.
         """
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not tokenizer.chat_template:
-            raise ValueError("this model has no chat template: use generate() with a prompt.")
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [tokenizer.apply_chat_template(c, tokenize=True, return_dict=False,
-                                                 add_generation_prompt=add_generation_prompt)
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -146,7 +142,12 @@ class LLM:
         return [outputs[request_id] for request_id in request_ids]
 
 
-def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or a list of them, as a list.
+
+    Raises:
+        ValueError: for an empty list.
+    """
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts)
@@ -157,8 +158,14 @@ def _as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _params_per_prompt(params: SamplingParams | Seq[SamplingParams] | None,
-                       num_prompts: int) -> list[SamplingParams]:
+def params_per_prompt(params: SamplingParams | Seq[SamplingParams] | None,
+                      num_prompts: int) -> list[SamplingParams]:
+    """One ``SamplingParams`` per prompt, from one for all (default ``SamplingParams()``) or
+    one each.
+
+    Raises:
+        ValueError: when a list's length differs from the number of prompts.
+    """
     if params is None:
         params = SamplingParams()
     if isinstance(params, SamplingParams):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -40,3 +41,28 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     weight_version: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The output as plain JSON-ready data (``from_dict`` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RequestOutput:
+        """The output ``to_dict`` wrote, after a JSON round trip (string keys, lists)."""
+        outputs = [CompletionOutput(**{
+            **completion,
+            "top_logprobs": _int_keys(completion["top_logprobs"]),
+            "weight_versions": _pair(completion["weight_versions"])})
+            for completion in data["outputs"]]
+        return cls(**{**data, "outputs": outputs})
+
+
+def _int_keys(top_logprobs: list[dict[str, float]] | None) -> list[dict[int, float]] | None:
+    if top_logprobs is None:
+        return None
+    return [{int(token_id): logprob for token_id, logprob in entry.items()}
+            for entry in top_logprobs]
+
+
+def _pair(versions: list[int] | None) -> tuple[int, int] | None:
+    return None if versions is None else (versions[0], versions[1])

@@ -110,3 +110,8 @@ class Request:
     def is_finished(self) -> bool:
         """True once every sequence of the request has finished."""
         return all(seq.is_finished for seq in self.seqs)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far by all its sequences."""
+        return sum(seq.num_output_tokens for seq in self.seqs)

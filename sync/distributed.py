@@ -121,6 +121,11 @@ class Layout:
             buckets.append(Bucket(end, tuple(slots)))
         return cls(tuple(buckets))
 
+    def tensors(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """Every tensor's ``(name, dtype name, shape)``, in order (dtype as ``"float32"``)."""
+        return [(slot.name, _dtype_name(slot.dtype), slot.shape)
+                for bucket in self.buckets for slot in bucket.slots]
+
     @property
     def buffer_bytes(self) -> int:
         """The size of a buffer that holds any of the buckets."""
@@ -128,7 +133,7 @@ class Layout:
 
     def to_json(self) -> str:
         """The layout as JSON: per bucket, its bytes and ``[name, dtype, shape, offset]``s."""
-        return json.dumps([[bucket.nbytes, [[slot.name, str(slot.dtype).removeprefix("torch."),
+        return json.dumps([[bucket.nbytes, [[slot.name, _dtype_name(slot.dtype),
                                               slot.shape, slot.offset] for slot in bucket.slots]]
                            for bucket in self.buckets])
 
@@ -375,22 +380,26 @@ class WeightReceiver:
         self.layout = Layout(())
         self._buffers: list[torch.Tensor] = []
 
-    def receive(self, wait: timedelta | None = None) -> int:
+    def receive(self, wait: timedelta | None = None,
+                expected: list[tuple[str, str, tuple[int, ...]]] | None = None) -> int:
         """Block for the next update, apply it, and return the new weight version.
 
         ``wait`` bounds the wait for the sender to begin the update (default: the
-        timeout); from then on every step waits at most the timeout.
+        timeout); from then on every step waits at most the timeout. ``expected``, when
+        given, is the update's announced ``(name, dtype name, shape)`` list: an update that
+        carries anything else is refused (both ends raise, naming the difference).
 
         Raises:
             WeightUpdateError: when no update began within ``wait`` (call again), this
-                engine or another refused a tensor, the sender aborted, or the sender was
-                lost (past the timeout; then rebuild the pair). The engine keeps serving its
-                previous weights.
+                engine or another refused a tensor, the update differs from ``expected``,
+                the sender aborted, or the sender was lost (past the timeout; then rebuild
+                the pair). The engine keeps serving its previous weights.
         """
         header = self._next_header(self.group.timeout if wait is None else wait)
         update, failure = self._begin(header)
         try:
             self._read_layout(header["layout"])
+            failure = failure or _difference(self.layout, expected)
             failure = self._stream(update, failure)
             return self._finish(update, failure)
         except WeightUpdateError:
@@ -471,6 +480,27 @@ class WeightReceiver:
                                     f"engine keeps serving weight version "
                                     f"{self.engine.weight_version}.")
         return version
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _difference(layout: Layout, expected: list[tuple[str, str, tuple[int, ...]]] | None
+                ) -> str | None:
+    """Why the layout is not the announced one (None when it is, or none was announced)."""
+    if expected is None:
+        return None
+    sent = layout.tensors()
+    expected = [(name, dtype, tuple(shape)) for name, dtype, shape in expected]
+    if sent == expected:
+        return None
+    first = next((i for i, (a, b) in enumerate(zip(sent, expected)) if a != b),
+                 min(len(sent), len(expected)))
+    return (f"the update carries {len(sent)} tensors but {len(expected)} were announced; "
+            f"they first differ at tensor {first}: sent "
+            f"{sent[first] if first < len(sent) else None}, announced "
+            f"{expected[first] if first < len(expected) else None}")
 
 
 def _aligned(offset: int) -> int:

@@ -232,3 +232,16 @@ def test_lost_sender_is_detected_within_the_timeout(llama_dir, signal_number):
     assert elapsed < TIMEOUT.total_seconds() + 2
     assert receiver.update_number == 1 and receiver.layout_number == 1
     assert llm.stats()["weight_version"] == 0 and completions(llm) == before
+
+
+def test_an_update_unlike_the_announced_one_is_refused_naming_the_difference():
+    generator = torch.Generator().manual_seed(0)
+    layout = Layout.plan({"a": torch.randn(2, generator=generator),
+                          "b": torch.randn(3, generator=generator).half()}, bucket_bytes=64)
+    assert layout.tensors() == [("a", "float32", (2,)), ("b", "float16", (3,))]
+    assert distributed._difference(layout, None) is None
+    assert distributed._difference(layout, [["a", "float32", [2]], ["b", "float16", [3]]]) is None
+    reason = distributed._difference(layout, [("a", "float32", (2,)), ("b", "float32", (3,))])
+    assert "first differ at tensor 1" in reason and "'float16'" in reason
+    assert "2 tensors but 1 were announced" in distributed._difference(layout, [
+        ("a", "float32", (2,))])

@@ -1,0 +1,276 @@
+"""``AsyncLLMEngine``: the server's asyncio loop around one ``LLMEngine``.
+
+Requests arrive concurrently on the event loop. One engine thread runs every engine call
+(add, abort, step, sleep, ...) in order, so the event loop never blocks on a step and the
+engine never has two callers at once. A request added while a step runs joins the batch at
+the next step; an aborted one (its client went away) leaves right after the current step,
+and its blocks go back to the pool. Weight commits come from another thread (the weight
+receiver) and land between steps through the engine's lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from .engine import LLMEngine
+from .metrics import ServerMetrics
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+PAUSE_MODES = ("abort", "wait", "keep")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class TrackedRequest:
+    """A request the loop drives: its id, where its outputs go, its latency marks."""
+
+    request_id: str
+    outputs: asyncio.Queue
+    stream: bool
+    arrival: float
+    num_output_tokens: int = 0
+    last_token_time: float | None = None
+
+
+@dataclass(slots=True)
+class _StepReport:
+    """What one step did, gathered on the engine thread."""
+
+    finished: list[RequestOutput]
+    num_output_tokens: dict[str, int] = field(default_factory=dict)
+    snapshots: dict[str, RequestOutput] = field(default_factory=dict)
+
+
+class AsyncLLMEngine:
+    """Drives an ``LLMEngine`` from asyncio: concurrent requests, streaming, abort, pause.
+
+    Start the loop with ``start()`` inside a running event loop; ``shutdown()`` stops it.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self._tracked: dict[str, TrackedRequest] = {}
+        self._request_ids = itertools.count()
+        self._frozen = False  # /pause?mode=keep: requests stay, steps stop
+        self._loop_task: asyncio.Task | None = None
+        self._has_work = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._admitting = asyncio.Event()
+        self._admitting.set()
+
+    def start(self) -> None:
+        """Start the engine loop on the running event loop."""
+        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def shutdown(self) -> None:
+        """Stop the loop, abort what is left and release the engine thread."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for request_id in list(self._tracked):
+            self.abort(request_id)
+        self._executor.shutdown(wait=True)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the engine thread, between steps; its result or exception."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def add_requests(self, prompts: Sequence[str | list[int]],
+                           params: Sequence[SamplingParams], stream: bool,
+                           prefix: str = "req") -> list[TrackedRequest]:
+        """Queue one request per prompt, all or none; follow each with ``outputs``.
+
+        While paused, waits for ``resume`` first.
+
+        Raises:
+            ValueError: for any invalid prompt (nothing is queued then).
+            EngineAsleepError: while the engine sleeps.
+        """
+        await self._admitting.wait()
+        request_ids = [f"{prefix}-{next(self._request_ids)}" for _ in prompts]
+        arrival = time.monotonic()
+        tracked = [TrackedRequest(r, asyncio.Queue(), stream, arrival) for r in request_ids]
+        # Tracked before the engine sees them, so a step that finishes one finds it.
+        self._tracked.update((t.request_id, t) for t in tracked)
+        try:
+            await self.call(self._add, request_ids, prompts, params)
+        except BaseException:
+            for request_id in request_ids:
+                self._tracked.pop(request_id, None)
+            self._update_state()
+            raise
+        self._update_state()
+        return tracked
+
+    async def outputs(self, tracked: TrackedRequest) -> AsyncIterator[RequestOutput]:
+        """The outputs of a queued request: snapshots (``finished`` False) when it streams,
+        then its final output. Leaving early (a closed stream, a cancelled task) aborts it.
+
+        Raises:
+            Exception: what the engine raised, when a step failed.
+        """
+        finished = False
+        try:
+            while not finished:
+                output = await tracked.outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(tracked.request_id)
+
+    async def generate(self, prompts: Sequence[str | list[int]],
+                       params: Sequence[SamplingParams], prefix: str = "req"
+                       ) -> list[RequestOutput]:
+        """Queue the prompts and return their final outputs, in order (cancelling aborts)."""
+        tracked = await self.add_requests(prompts, params, stream=False, prefix=prefix)
+        return list(await asyncio.gather(*(self._final(t) for t in tracked)))
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request after the current step and free its blocks (without waiting)."""
+        if self._tracked.pop(request_id, None) is None:
+            return
+        self.metrics.aborted_requests += 1
+        self._executor.submit(self.engine.abort_request, request_id)
+        self._update_state()
+
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop generating until ``resume``; new requests wait for it.
+
+        ``mode`` (vLLM's): ``"abort"`` ends the requests in flight (their outputs so far,
+        finish_reason "abort"); ``"wait"`` lets them finish first; ``"keep"`` freezes them
+        where they are, to go on after ``resume``.
+
+        Raises:
+            ValueError: for another mode.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is invalid: use one of "
+                             f"{', '.join(PAUSE_MODES)}.")
+        self._admitting.clear()
+        if mode == "abort":
+            await self._abort_all()
+        elif mode == "keep":
+            self._frozen = True
+            self._update_state()
+        await self._idle.wait() if mode == "wait" else await self.call(_nothing)
+
+    def resume(self) -> None:
+        """Undo ``pause``: admit waiting requests and step again."""
+        self._frozen = False
+        self._admitting.set()
+        self._update_state()
+
+    @property
+    def is_paused(self) -> bool:
+        """True between ``pause`` and ``resume``."""
+        return not self._admitting.is_set()
+
+    @property
+    def num_requests(self) -> int:
+        """Requests queued or running."""
+        return len(self._tracked)
+
+    async def _final(self, tracked: TrackedRequest) -> RequestOutput:
+        async for output in self.outputs(tracked):
+            if output.finished:
+                return output
+        raise AssertionError("unreachable: outputs() ends with a finished output")
+
+    def _add(self, request_ids: list[str], prompts: Sequence[str | list[int]],
+             params: Sequence[SamplingParams]) -> None:
+        token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
+        for ids in token_ids:
+            self.engine.check_prompt(ids)
+        for request_id, prompt, ids, p in zip(request_ids, prompts, token_ids, params):
+            self.engine.add_request(request_id, prompt if isinstance(prompt, str) else ids, p)
+
+    async def _abort_all(self) -> None:
+        request_ids = list(self._tracked)
+        outputs = await self.call(lambda: [self.engine.abort_request(r) for r in request_ids])
+        for request_id, output in zip(request_ids, outputs):
+            # None: the engine had not seen it yet (its add was still queued); it runs on.
+            tracked = self._tracked.pop(request_id, None) if output is not None else None
+            if tracked is not None:
+                self.metrics.aborted_requests += 1
+                tracked.outputs.put_nowait(output)
+        self._update_state()
+
+    def _update_state(self) -> None:
+        if self._tracked and not self._frozen:
+            self._has_work.set()
+        else:
+            self._has_work.clear()
+        if self._tracked:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._has_work.wait()
+            watched = [(r, t.num_output_tokens, t.stream) for r, t in self._tracked.items()]
+            try:
+                report = await self.call(self._step, watched)
+            except Exception as exc:  # a failed step fails its requests, not the server
+                self._fail_all(exc)
+                continue
+            self._dispatch(report)
+
+    def _step(self, watched: list[tuple[str, int, bool]]) -> _StepReport:
+        report = _StepReport(self.engine.step())
+        for request_id, seen, stream in watched:
+            request = self.engine.requests.get(request_id)
+            if request is None:
+                continue
+            report.num_output_tokens[request_id] = request.num_output_tokens
+            if stream and request.num_output_tokens > seen:
+                report.snapshots[request_id] = self.engine.request_output(request_id)
+        return report
+
+    def _dispatch(self, report: _StepReport) -> None:
+        now = time.monotonic()
+        for request_id, num_tokens in report.num_output_tokens.items():
+            self._count_tokens(request_id, num_tokens, now)
+        for request_id, snapshot in report.snapshots.items():
+            if request_id in self._tracked:
+                self._tracked[request_id].outputs.put_nowait(snapshot)
+        for output in report.finished:
+            self._count_tokens(output.request_id,
+                               sum(len(c.token_ids) for c in output.outputs), now)
+            tracked = self._tracked.pop(output.request_id, None)
+            if tracked is not None:
+                tracked.outputs.put_nowait(output)
+        self._update_state()
+
+    def _count_tokens(self, request_id: str, num_tokens: int, now: float) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is None or num_tokens <= tracked.num_output_tokens:
+            return
+        self.metrics.generation_tokens += num_tokens - tracked.num_output_tokens
+        if tracked.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - tracked.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - tracked.last_token_time)
+        tracked.num_output_tokens = num_tokens
+        tracked.last_token_time = now
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            tracked.outputs.put_nowait(exc)
+            self.abort(request_id)
+
+
+def _nothing() -> None:
+    """An engine-thread call that returns once the current step has ended."""

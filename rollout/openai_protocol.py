@@ -1,0 +1,242 @@
+"""OpenAI-compatible request bodies and the responses built from ``RequestOutput``s.
+
+Request fields follow OpenAI's, plus vLLM's extras (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``skip_special_tokens``, ``return_token_ids``) and Tandem's ``weight_version`` in every
+response, so a trainer can see which weights sampled a rollout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from transformers import PreTrainedTokenizerBase
+
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat completions share: the model and how to sample."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The ``SamplingParams`` of this request (validated: ValueError names the field)."""
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
+            seed=self.seed, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: one prompt or several, each text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list (a single text or token-id list becomes one)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: a conversation, with the model's chat template applied."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages with each content as plain text (text parts joined)."""
+        return [{**message, "content": _text_of(message.get("content"))}
+                for message in self.messages]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content
+                       if isinstance(part, dict) and part.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+@dataclass(slots=True)
+class DeltaTracker:
+    """Turns a request's successive outputs into per-completion deltas for a stream.
+
+    A delta is a ``CompletionOutput`` holding only what is new: tokens, their log-probs and
+    text. Text that might still turn into a stop string (its last ``hold_back``
+    characters) or an unfinished UTF-8 character waits, so the streamed text adds up to
+    the final text.
+    """
+
+    hold_back: int
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    sent_text: dict[int, str] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    def deltas(self, output: RequestOutput) -> list[CompletionOutput]:
+        """What each completion added since the last call (completions with nothing new
+        left out); a finished completion's delta carries its finish reason, once."""
+        deltas = []
+        for completion in output.outputs:
+            if completion.index in self.done:
+                continue
+            delta = self._delta(completion)
+            if delta.token_ids or delta.text or delta.finish_reason:
+                deltas.append(delta)
+        return deltas
+
+    def _delta(self, completion: CompletionOutput) -> CompletionOutput:
+        index = completion.index
+        start = self.sent_tokens.get(index, 0)
+        sent = self.sent_text.get(index, "")
+        if completion.finish_reason is None:
+            ready = completion.text[:max(len(completion.text) - self.hold_back, 0)]
+            text = ready.rstrip("\ufffd")[len(sent):]
+        else:
+            text = completion.text[len(sent):]
+            self.done.add(index)
+        self.sent_tokens[index] = len(completion.token_ids)
+        self.sent_text[index] = sent + text
+        return replace(completion, token_ids=completion.token_ids[start:], text=text,
+                       logprobs=_tail(completion.logprobs, start),
+                       top_logprobs=_tail(completion.top_logprobs, start))
+
+
+def _tail(values: list | None, start: int) -> list | None:
+    return None if values is None else values[start:]
+
+
+class ResponseBuilder:
+    """Builds OpenAI response bodies (whole or streamed chunks) from outputs.
+
+    Args:
+        tokenizer: decodes each token for the log-prob entries.
+        model_name: the ``model`` field of every response.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def envelope(self, response_id: str, obj: str, created: int,
+                 choices: list[dict[str, Any]], weight_version: int) -> dict[str, Any]:
+        """The fields around the choices: id, object, created, model, weight_version."""
+        return {"id": response_id, "object": obj, "created": created, "model": self.model_name,
+                "choices": choices, "weight_version": weight_version}
+
+    def completion_choice(self, index: int, completion: CompletionOutput,
+                          prompt_token_ids: list[int] | None,
+                          return_token_ids: bool) -> dict[str, Any]:
+        """One ``text_completion`` choice (whole, or a streamed delta)."""
+        choice = {"index": index, "text": completion.text,
+                  "logprobs": self._completion_logprobs(completion),
+                  "finish_reason": completion.finish_reason,
+                  "stop_reason": completion.stop_reason,
+                  "weight_versions": completion.weight_versions}
+        if return_token_ids:
+            choice |= {"token_ids": completion.token_ids, "prompt_token_ids": prompt_token_ids}
+        return choice
+
+    def chat_choice(self, index: int, completion: CompletionOutput, stream: bool,
+                    return_token_ids: bool) -> dict[str, Any]:
+        """One chat choice: a ``message``, or in a stream a ``delta``."""
+        if stream:
+            choice = {"index": index, "delta": {"content": completion.text}}
+        else:
+            choice = {"index": index, "message": {"role": "assistant",
+                                                  "content": completion.text}}
+        choice |= {"logprobs": self._chat_logprobs(completion),
+                   "finish_reason": completion.finish_reason,
+                   "stop_reason": completion.stop_reason,
+                   "weight_versions": completion.weight_versions}
+        if return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice
+
+    def _completion_logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
+        if completion.logprobs is None:
+            return None
+        tokens = [self._token(t) for t in completion.token_ids]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        top = None
+        if completion.top_logprobs is not None:
+            top = [{self._token(t): lp for t, lp in entry.items()}
+                   for entry in completion.top_logprobs]
+        return {"tokens": tokens, "token_logprobs": completion.logprobs,
+                "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
+        if completion.logprobs is None:
+            return None
+        tops = completion.top_logprobs or [{}] * len(completion.token_ids)
+        return {"content": [
+            {**self._chat_token(token_id, logprob),
+             "top_logprobs": [self._chat_token(t, lp) for t, lp in top.items()]}
+            for token_id, logprob, top in zip(completion.token_ids, completion.logprobs, tops)]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    """OpenAI's ``usage``: prompt tokens (once per prompt) and generated tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+def error_body(message: str, error_type: str = "invalid_request_error",
+               param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,117 @@
+"""The server's end of the weight-transfer endpoints: a ``WeightReceiver`` driven over HTTP.
+
+vLLM's four phases map onto ``tandem.sync.distributed`` like this:
+
+- ``init``: join the trainer's group (its ``WeightSender`` hosts the store at
+  ``master_address:master_port`` as rank 0; this engine is rank ``rank_offset``).
+- ``start``: open an update; only one is open at a time.
+- ``update``: receive one ``WeightSender.send`` (streamed, bucketed, all or nothing), after
+  checking it carries the announced names, dtypes and shapes; may repeat.
+- ``finish``: close the update; returns the weight version now served.
+
+Each received update commits between two steps while generation goes on; every completion
+reports the weight versions it was sampled under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+from tandem.sync import WeightReceiver
+
+from .engine import LLMEngine
+from .metrics import Histogram
+
+
+class WeightTransferStateError(RuntimeError):
+    """A weight-transfer call came out of order (e.g. ``update`` before ``start``)."""
+
+
+class WeightTransfer:
+    """One engine's weight-transfer state: its receiver and the update now open.
+
+    Args:
+        engine: the engine whose weights the updates replace.
+        timeout: the longest wait of any step of the group (joining, each update).
+        sync_seconds: where each received update's duration is recorded.
+    """
+
+    def __init__(self, engine: LLMEngine, timeout: timedelta, sync_seconds: Histogram) -> None:
+        self.engine = engine
+        self.timeout = timeout
+        self.sync_seconds = sync_seconds
+        self.receiver: WeightReceiver | None = None
+        self.update_open = False
+        self._busy = asyncio.Lock()
+
+    async def init(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int) -> None:
+        """Join the trainer's group; returns once the sender and every engine connected.
+
+        Raises:
+            ValueError: for a rank outside 1..world_size - 1.
+            WeightTransferStateError: while an update is being received.
+            RuntimeError: when the group did not form within the timeout.
+        """
+        async with self._exclusive():
+            self.receiver = None
+            self.update_open = False
+            self.receiver = await asyncio.to_thread(
+                WeightReceiver, self.engine, master_address, master_port, world_size,
+                rank_offset, None, self.timeout)
+
+    def start(self) -> None:
+        """Open an update.
+
+        Raises:
+            WeightTransferStateError: before ``init``, or while another update is open.
+        """
+        self._check_ready()
+        if self.update_open:
+            raise WeightTransferStateError("a weight update is already open: call "
+                                           "/finish_weight_update first.")
+        self.update_open = True
+
+    async def update(self, expected: list[tuple[str, str, tuple[int, ...]]] | None) -> int:
+        """Receive one update from the sender and commit it; returns the new weight version.
+
+        Raises:
+            WeightTransferStateError: before ``init`` or ``start``, or during another receive.
+            WeightUpdateError: when the update was refused or the sender was lost; the
+                engine keeps serving its previous weights.
+        """
+        self._check_open()
+        async with self._exclusive():
+            start = time.perf_counter()
+            version = await asyncio.to_thread(self.receiver.receive, self.timeout, expected)
+            self.sync_seconds.observe(time.perf_counter() - start)
+            return version
+
+    def finish(self) -> int:
+        """Close the open update; returns the weight version now served.
+
+        Raises:
+            WeightTransferStateError: when no update is open.
+        """
+        self._check_open()
+        self.update_open = False
+        return self.engine.weight_version
+
+    def _check_ready(self) -> None:
+        if self.receiver is None:
+            raise WeightTransferStateError("weight transfer is not initialised: call "
+                                           "/init_weight_transfer_engine first.")
+
+    def _check_open(self) -> None:
+        self._check_ready()
+        if not self.update_open:
+            raise WeightTransferStateError("no weight update is open: call "
+                                           "/start_weight_update first.")
+
+    def _exclusive(self) -> asyncio.Lock:
+        if self._busy.locked():
+            raise WeightTransferStateError("a weight transfer call is already running: wait "
+                                           "for it to return.")
+        return self._busy

@@ -1,0 +1,361 @@
+"""The HTTP server on real sockets: the openai client equals offline generation, concurrent
+streams whose clients leave free every block, pause and sleep, metrics, and bad requests
+refused with OpenAI-style 4xx bodies while other requests go on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
+from tandem.rollout.cli import build_parser, config_from_arguments
+from tandem.rollout.server import build_app
+from tandem.rollout.server_config import ServerConfig
+
+HOST = "127.0.0.1"
+API_KEY = "test-key"
+MODEL = "tiny"
+ENGINE_OPTIONS = dict(num_kv_blocks=256, max_model_len=256)
+LIMITS = dict(max_prompt_tokens=64, max_n=8, max_tokens=64, max_body_bytes=1 << 16)
+PROMPTS = ["What is 2+3?", "The quick brown fox"]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@contextmanager
+def running_server(folder, **server_options) -> Iterator[tuple[str, LLMEngine]]:
+    """A server for the model in ``folder`` on a free port of 127.0.0.1, in a thread."""
+    engine = LLMEngine(EngineConfig(model=str(folder), **ENGINE_OPTIONS))
+    config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, **server_options)
+    listener = socket.socket()
+    listener.bind((HOST, 0))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://{HOST}:{listener.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def wait_until_idle(engine: LLMEngine) -> None:
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def served(llama_dir) -> Iterator[tuple[str, LLMEngine]]:
+    with running_server(llama_dir, **LIMITS) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir) -> LLM:
+    return LLM(str(llama_dir), **ENGINE_OPTIONS)
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def collect(chunks, content) -> dict[int, dict]:
+    """Per choice index: text, token ids and sampled log-probs added up over a stream."""
+    choices: dict[int, dict] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            entry = choices.setdefault(choice.index, {"text": "", "token_ids": [],
+                                                      "logprobs": [], "finish_reason": None})
+            entry["text"] += content(choice) or ""
+            entry["token_ids"] += choice.model_extra.get("token_ids") or []
+            entry["logprobs"] += sampled_logprobs(choice)
+            entry["finish_reason"] = choice.finish_reason or entry["finish_reason"]
+    return choices
+
+
+def sampled_logprobs(choice) -> list[float]:
+    if choice.logprobs is None:
+        return []
+    if hasattr(choice.logprobs, "token_logprobs"):
+        return list(choice.logprobs.token_logprobs or [])
+    return [entry.logprob for entry in choice.logprobs.content or []]
+
+
+def assert_equal_to_offline(choices: dict[int, dict], expected, n: int) -> None:
+    for prompt_index, output in enumerate(expected):
+        for completion in output.outputs:
+            got = choices[prompt_index * n + completion.index]
+            assert got["text"] == completion.text
+            assert got["token_ids"] == completion.token_ids
+            assert got["logprobs"] == pytest.approx(completion.logprobs, abs=1e-5)
+            assert got["finish_reason"] == completion.finish_reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_completions_equal_offline_generate(served, offline, stream):
+    params = SamplingParams(n=3, max_tokens=10, seed=11, logprobs=2)
+    expected = offline.generate(PROMPTS, params, use_tqdm=False)
+    response = openai_client(served[0]).completions.create(
+        model=MODEL, prompt=PROMPTS, n=3, max_tokens=10, seed=11, logprobs=2, stream=stream,
+        extra_body={"return_token_ids": True})
+    chunks = response if stream else [response]
+    assert_equal_to_offline(collect(chunks, lambda choice: choice.text), expected, n=3)
+    if not stream:
+        assert response.usage.completion_tokens == sum(
+            len(c.token_ids) for o in expected for c in o.outputs)
+        assert response.choices[0].model_extra["prompt_token_ids"] == \
+            expected[0].prompt_token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_chat_equals_offline_chat(served, offline, stream):
+    messages = [{"role": "user", "content": "What is 17*4?"}]
+    expected = offline.chat(messages, SamplingParams(n=2, max_tokens=12, seed=5, logprobs=2),
+                            use_tqdm=False)
+    response = openai_client(served[0]).chat.completions.create(
+        model=MODEL, messages=messages, n=2, max_tokens=12, seed=5, logprobs=True,
+        top_logprobs=2, stream=stream, extra_body={"return_token_ids": True})
+    if stream:
+        choices = collect(response, lambda choice: choice.delta.content)
+    else:
+        choices = collect([response], lambda choice: choice.message.content)
+        first = response.choices[0].logprobs.content
+        assert [top.logprob for entry in first for top in entry.top_logprobs] == \
+            pytest.approx([lp for top in expected[0].outputs[0].top_logprobs
+                           for lp in top.values()], abs=1e-5)
+        assert response.model_extra["prompt_token_ids"] == expected[0].prompt_token_ids
+    assert_equal_to_offline(choices, expected, n=2)
+
+
+def test_token_id_prompt_returns_prompt_and_completion_ids_with_weight_version(served,
+                                                                               offline):
+    prompt = [5, 9, 33, 70, 2, 81, 100, 4, 17, 3, 44, 12, 200, 7, 8, 9, 10]  # a block plus one
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
+                                                         logprobs=0), use_tqdm=False)[0]
+    answer = httpx.post(f"{served[0]}/v1/completions", headers=AUTH, json={
+        "prompt": prompt, "temperature": 0, "max_tokens": 6, "logprobs": 0,
+        "return_token_ids": True}).json()
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == prompt
+    assert choice["token_ids"] == expected.outputs[0].token_ids
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected.outputs[0].logprobs,
+                                                                 abs=1e-5)
+    assert answer["weight_version"] == 0 and choice["weight_versions"] == [0, 0]
+
+
+def test_32_streams_with_a_third_leaving_midway_free_every_block(served):
+    url, engine = served
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> str | None:
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"{i}: The quick brown fox", max_tokens=48, seed=i,
+            stream=True, extra_body={"ignore_eos": True})
+        finish_reason, chunks = None, 0
+        async for chunk in stream:
+            chunks += 1
+            if i % 3 == 0 and chunks == 3:
+                await stream.close()
+                return "left"
+            finish_reason = chunk.choices[0].finish_reason or finish_reason
+        return finish_reason
+
+    async def all_streams() -> list[str | None]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    aborted_before = metric(url, "tandem:aborted_requests_total")
+    results = asyncio.run(all_streams())
+    assert results == ["left" if i % 3 == 0 else "length" for i in range(32)]
+    wait_until_idle(engine)
+    stats = engine.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0
+    assert metric(url, "tandem:aborted_requests_total") - aborted_before == 11
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    return float(re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)[1])
+
+
+def bad_requests(url: str) -> list[tuple[int, str | None, dict]]:
+    """(expected status, expected param, httpx.request arguments) per bad request."""
+    post = dict(method="POST", url=f"{url}/v1/completions", headers=AUTH)
+    ok = {"prompt": "What is 2+3?", "max_tokens": 4}
+    return [
+        (400, None, post | {"content": b'{"prompt": "x",', "headers": AUTH | {
+            "Content-Type": "application/json"}}),
+        (400, "n", post | {"json": ok | {"n": 100000}}),
+        (400, "max_tokens", post | {"json": ok | {"max_tokens": 10**9}}),
+        (400, "prompt", post | {"json": ok | {"prompt": list(range(3, 100))}}),
+        (400, None, post | {"json": ok | {"top_p": 0}}),
+        (400, "prompt", post | {"json": ok | {"prompt": []}}),
+        (400, "n", post | {"json": ok | {"n": "many"}}),
+        (404, "model", post | {"json": ok | {"model": "gpt-4"}}),
+        (413, None, post | {"json": ok | {"prompt": "x" * (1 << 17)}}),
+        (401, None, post | {"json": ok, "headers": {}}),
+        (401, None, post | {"json": ok, "headers": {"Authorization": "Bearer wrong"}}),
+        (401, None, dict(method="GET", url=f"{url}/metrics")),
+        (403, None, dict(method="POST", url=f"{url}/init_weight_transfer_engine",
+                         headers=AUTH, json={"init_info": {"master_address": HOST,
+                                                           "master_port": 1}})),
+        (404, None, dict(method="GET", url=f"{url}/v2/nothing", headers=AUTH)),
+    ]
+
+
+def test_bad_requests_get_4xx_with_openai_errors_and_others_go_on(served, offline):
+    url, _ = served
+    params = SamplingParams(max_tokens=40, seed=3, ignore_eos=True)
+    expected = offline.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
+
+    async def stream_and_misbehave() -> tuple[str, list]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
+                    "prompt": PROMPTS[0], "max_tokens": 40, "seed": 3, "ignore_eos": True,
+                    "stream": True}) as stream:
+                lines = stream.aiter_lines()
+                first = await anext(lines)
+                answers = [await client.request(**request)
+                           for _, _, request in bad_requests(url)]
+                rest = [line async for line in lines]
+        texts = [chunk["choices"][0]["text"] for chunk in map(_event, [first, *rest]) if chunk]
+        return "".join(texts), answers
+
+    text, answers = asyncio.run(stream_and_misbehave())
+    assert text == expected
+    for (status, param, _), answer in zip(bad_requests(url), answers):
+        assert answer.status_code == status, answer.text
+        error = answer.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert error["param"] == param
+    assert "--enable-weight-transfer" in answers[-2].json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+
+
+def _event(line: str) -> dict | None:
+    import json
+
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    return json.loads(line.removeprefix("data: "))
+
+
+def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served):
+    url, engine = served
+    client = openai_client(url)
+    results: list = []
+
+    def request() -> threading.Thread:
+        worker = threading.Thread(target=lambda: results.append(client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=60, extra_body={"ignore_eos": True})))
+        worker.start()
+        return worker
+
+    def generated() -> int:
+        return sum(r.num_output_tokens for r in list(engine.requests.values()))
+
+    worker = request()
+    while not generated():
+        time.sleep(0.002)
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=AUTH).status_code == 200
+    frozen = generated()
+    time.sleep(0.2)
+    assert generated() == frozen < 60
+    assert httpx.get(f"{url}/is_paused", headers=AUTH).json() == {"is_paused": True}
+    httpx.post(f"{url}/pause", params={"mode": "abort"}, headers=AUTH)
+    worker.join(60)
+    assert results[0].choices[0].finish_reason == "abort"
+    assert results[0].usage.completion_tokens == frozen
+
+    worker = request()
+    time.sleep(0.2)
+    assert not engine.requests  # held until /resume
+    httpx.post(f"{url}/resume", headers=AUTH)
+    worker.join(60)
+    assert results[1].choices[0].finish_reason == "length"
+    wait_until_idle(engine)
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_sleep_refuses_generation_until_wake_up(served):
+    url, _ = served
+    assert httpx.post(f"{url}/sleep", params={"level": 1}, headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
+    asleep = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x"})
+    assert asleep.status_code == 409 and "wake_up" in asleep.json()["error"]["message"]
+    assert httpx.post(f"{url}/wake_up", params={"tags": ["weights", "kv_cache"]},
+                      headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/v1/completions", headers=AUTH,
+                      json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_metrics_count_tokens_latencies_and_engine_state(served):
+    url, _ = served
+    openai_client(url).completions.create(model=MODEL, prompt=PROMPTS, n=2, max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+    text = httpx.get(f"{url}/metrics", headers=AUTH).text
+    assert metric(url, "tandem:generation_tokens_total") >= 20
+    assert metric(url, "tandem:time_to_first_token_seconds_count") >= 2
+    assert metric(url, "tandem:inter_token_latency_seconds_count") >= 8
+    assert metric(url, "tandem:kv_cache_blocks") == 256
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "prefix_cache_hit_rate", "cow_copies_total", "num_preemptions_total",
+                 "weight_version", "weight_sync_seconds"):
+        assert f"# TYPE tandem:{name} " in text
+
+
+def test_models_lists_the_served_name(served):
+    models = openai_client(served[0]).models.list()
+    assert [model.id for model in models.data] == [MODEL]
+
+
+def test_serve_options_build_both_configs_and_bind_localhost_by_default(llama_dir):
+    args = build_parser().parse_args(["serve", str(llama_dir), "--api-key", "k", "--max-n",
+                                      "4", "--no-enable-prefix-caching", "--max-model-len",
+                                      "128"])
+    engine_config = config_from_arguments(EngineConfig, args)
+    server_config = config_from_arguments(ServerConfig, args)
+    assert engine_config.model == str(llama_dir) and engine_config.max_model_len == 128
+    assert engine_config.enable_prefix_caching is False
+    assert (server_config.host, server_config.api_key, server_config.max_n) == (HOST, "k", 4)
+    assert server_config.enable_weight_transfer is False
+
+
+def test_tandem_serve_command_answers_on_localhost(llama_dir):
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tandem.rollout.cli", "serve", str(llama_dir), "--port",
+         str(port), "--num-kv-blocks", "64", "--max-model-len", "128"],
+        env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if httpx.get(f"http://{HOST}:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        models = httpx.get(f"http://{HOST}:{port}/v1/models").json()
+        assert models["data"][0]["id"] == str(llama_dir)
+    finally:
+        process.terminate()
+        process.wait(30)
