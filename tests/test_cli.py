@@ -19,3 +19,24 @@ def test_bad_input_exits_with_a_clear_message(llama_dir, capsys):
     status = main(["generate", "--model", str(llama_dir), "--prompt", "x", "--top-p", "0"])
     assert status == 2
     assert "SamplingParams.top_p=0.0 is invalid" in capsys.readouterr().err
+
+
+def test_train_runs_a_recipe_from_overrides_and_says_where_it_went(llama_dir, tmp_path,
+                                                                   capsys):
+    status = main(["train", f"model={llama_dir}", "task=target_token",
+                   "task_args={token_id: 100}", "steps=1", "eval_size=2",
+                   f"output_dir={tmp_path}", "rollout.prompts_per_step=2",
+                   "rollout.num_generations=2", "rollout.max_tokens=4",
+                   "rollout.engine={num_kv_blocks: 32, max_model_len: 64}",
+                   "logging.wandb=false", "logging.progress_bar=false"])
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert "held-out accuracy: before" in printed
+    assert f"checkpoint: {tmp_path / 'checkpoint-1'}" in printed
+    assert (tmp_path / "checkpoint-1" / "model.safetensors").is_file()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_train_refuses_an_unknown_field(capsys):
+    assert main(["train", "stepz=1"]) == 2
+    assert "unknown field(s) stepz" in capsys.readouterr().err

@@ -109,3 +109,27 @@ def test_a_broken_reward_function_is_named(llama_dir, tmp_path, target_token, re
     trainer = Trainer(make_config(llama_dir, tmp_path, target_token), task=task)
     with pytest.raises(RewardError, match=f"'broken'.*{message}"):
         trainer.train_step()
+
+
+def test_checkpoint_loads_as_a_fresh_engine_serving_the_trained_weights(llama_dir, tmp_path,
+                                                                       target_token):
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token, steps=1))
+    trainer.train_step()
+    checkpoint = trainer.save_checkpoint()
+    fresh = LLM(str(checkpoint), num_kv_blocks=32, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    expected = trainer.llm.generate(["the cat sat"], greedy, use_tqdm=False)
+    assert fresh.generate(["the cat sat"], greedy, use_tqdm=False)[0].outputs[0].token_ids == \
+        expected[0].outputs[0].token_ids
+
+
+def test_wandb_offline_run_gets_the_step_metrics(llama_dir, tmp_path, target_token,
+                                                 monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    config = make_config(llama_dir, tmp_path, target_token, steps=1)
+    config.logging.wandb = True
+    summary = Trainer(config).train()
+    run_dir = summary["wandb_dir"]
+    assert run_dir is not None and str(tmp_path) in run_dir
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))

@@ -174,7 +174,10 @@ class TrainConfig:
     Attributes:
         algorithm: ``"grpo"`` or ``"ppo"``.
         model: a local Hugging Face folder or ``smollm2-135m-instruct``.
-        dtype: the trainer's (and engine's) dtype.
+        dtype: the trainer's weights' dtype (and the engine's unless ``rollout.engine``
+            names one).
+        autocast: run the trainer's forward passes under ``torch.autocast`` in this dtype
+            (``"bfloat16"`` on a GPU keeps float32 master weights); None: no autocast.
         task: the dataset and its rewards (``arith``, ``gsm8k``, ``target_token``).
         task_args: keyword arguments of the task.
         rewards: the reward functions and weights (default: the task's).
@@ -193,6 +196,7 @@ class TrainConfig:
     algorithm: str = "grpo"
     model: str = "smollm2-135m-instruct"
     dtype: str = "float32"
+    autocast: str | None = None
     task: str = "arith"
     task_args: dict[str, Any] = field(default_factory=dict)
     rewards: list[RewardConfig] = field(default_factory=list)
@@ -215,6 +219,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _one_of("algorithm", self.algorithm, ("grpo", "ppo"))
         _one_of("distributed", self.distributed, ("ddp", "fsdp2"))
+        _one_of("dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        if self.autocast is not None:
+            _one_of("autocast", self.autocast, ("bfloat16", "float16"))
         _one_of("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "token"))
         _one_of("lora.sync_mode", self.lora.sync_mode, ("merge", "runtime"))
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online"))

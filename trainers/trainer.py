@@ -214,7 +214,9 @@ class Trainer:
         losses, parts = [], []
         for index, rows in enumerate(slices):
             set_gradient_sync(self.model, index == len(slices) - 1)
-            logprobs, values = self.model(tokens.rows(rows), self.config.rollout.temperature)
+            with self._autocast():
+                logprobs, values = self.model(tokens.rows(rows),
+                                              self.config.rollout.temperature)
             micro = MicroBatch(rows, logprobs, values, sampler_logprobs[rows], mask[rows],
                                len(batch.completion_ids), int(mask.sum()),
                                self.config.rollout.max_tokens)
@@ -238,13 +240,19 @@ class Trainer:
         model = self.reference if use_reference and self.reference is not None else self.policy
         adapter_off = use_reference and self.reference is None
         logprobs, values = [], []
-        with self.policy.model.disable_adapter() if adapter_off else nullcontext():
+        with self.policy.model.disable_adapter() if adapter_off else nullcontext(), \
+                self._autocast():
             for rows in self._micro_batches(tokens.input_ids.shape[0]):
                 micro_logprobs, micro_values = model(tokens.rows(rows),
                                                      self.config.rollout.temperature)
                 logprobs.append(micro_logprobs)
                 values.append(micro_values)
         return torch.cat(logprobs), torch.cat(values) if with_values else None
+
+    def _autocast(self) -> Any:
+        if self.config.autocast is None:
+            return nullcontext()
+        return torch.autocast(self.context.device.type, dtype=DTYPES[self.config.autocast])
 
     def _optimizer_step(self) -> float:
         max_norm = self.config.optim.max_grad_norm
