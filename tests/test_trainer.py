@@ -133,3 +133,15 @@ def test_wandb_offline_run_gets_the_step_metrics(llama_dir, tmp_path, target_tok
     run_dir = summary["wandb_dir"]
     assert run_dir is not None and str(tmp_path) in run_dir
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def test_sleep_between_steps_frees_the_kv_pool_while_the_trainer_steps(llama_dir, tmp_path,
+                                                                       target_token):
+    config = make_config(llama_dir, tmp_path, target_token, steps=2)
+    config.rollout.sleep_between_steps = True
+    trainer = Trainer(config)
+    first = trainer.train_step()
+    assert trainer.llm.stats()["kv_cache_bytes"] == 0
+    second = trainer.train_step()
+    assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
+    assert trainer.llm.engine.weight_version == 2

@@ -61,15 +61,23 @@ class MicroBatch:
     max_tokens: int
 
 
-def common_metrics(micro: MicroBatch, old_logprobs: torch.Tensor, raw_ratio: torch.Tensor,
-                   was_clipped: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Importance-ratio, sampler-vs-trainer and clipping metrics of one micro-batch."""
+def policy_terms(micro: MicroBatch, advantages: torch.Tensor, epsilon_low: float,
+                 epsilon_high: float, is_cap: float
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The importance-weighted clipped surrogate per token (old log-probs: this pass's,
+    detached, as each rollout batch gets one update) and its ratio, clipping and
+    sampler-vs-trainer metrics."""
+    old_logprobs = micro.logprobs.detach()
+    weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs, is_cap)
+    per_token, was_clipped = clipped_policy_loss(micro.logprobs, old_logprobs, advantages,
+                                                 epsilon_low, epsilon_high, weights)
     mask = micro.mask.bool()
-    diff = (old_logprobs.detach() - micro.sampler_logprobs).abs()[mask]
-    return {"is_ratio_min": raw_ratio[mask].min(), "is_ratio_max": raw_ratio[mask].max(),
-            "is_ratio_mean": raw_ratio[mask].mean(), "sampler_logprob_diff_max": diff.max(),
-            "sampler_logprob_diff_mean": diff.mean(),
-            "clip_fraction": masked_mean(was_clipped, micro.mask)}
+    diff = (old_logprobs - micro.sampler_logprobs).abs()[mask]
+    return per_token, {
+        "is_ratio_min": raw[mask].min(), "is_ratio_max": raw[mask].max(),
+        "is_ratio_mean": raw[mask].mean(), "sampler_logprob_diff_max": diff.max(),
+        "sampler_logprob_diff_mean": diff.mean(),
+        "clip_fraction": masked_mean(was_clipped, micro.mask)}
 
 
 class GRPO:
@@ -96,13 +104,10 @@ class GRPO:
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the GRPO loss and its metrics."""
         config = self.config
-        old_logprobs = micro.logprobs.detach()
-        weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs,
-                                          config.importance_sampling_cap)
-        per_token, was_clipped = clipped_policy_loss(
-            micro.logprobs, old_logprobs, targets.advantages[micro.rows], config.epsilon,
-            config.epsilon if config.epsilon_high is None else config.epsilon_high, weights)
-        metrics = common_metrics(micro, old_logprobs, raw, was_clipped)
+        per_token, metrics = policy_terms(
+            micro, targets.advantages[micro.rows], config.epsilon,
+            config.epsilon if config.epsilon_high is None else config.epsilon_high,
+            config.importance_sampling_cap)
         if targets.ref_logprobs is not None:
             kl = k3_kl(micro.logprobs, targets.ref_logprobs[micro.rows])
             per_token = per_token + config.beta * kl
@@ -139,18 +144,14 @@ class PPO:
              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """This micro-batch's share of the PPO loss (token mean) and its metrics."""
         config = self.config
-        old_logprobs = micro.logprobs.detach()
-        weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs,
-                                          config.importance_sampling_cap)
-        policy, was_clipped = clipped_policy_loss(
-            micro.logprobs, old_logprobs, targets.advantages[micro.rows], config.cliprange,
-            config.cliprange, weights)
+        policy, metrics = policy_terms(micro, targets.advantages[micro.rows], config.cliprange,
+                                       config.cliprange, config.importance_sampling_cap)
         value = clipped_value_loss(micro.values, targets.old_values[micro.rows],
                                    targets.returns[micro.rows], config.cliprange_value)
         per_token = policy + config.vf_coef * value
-        metrics = common_metrics(micro, old_logprobs, raw, was_clipped)
         metrics["value_loss"] = masked_mean(value.detach(), micro.mask)
-        metrics["kl"] = masked_mean(old_logprobs - targets.ref_logprobs[micro.rows], micro.mask)
+        metrics["kl"] = masked_mean(micro.logprobs.detach() - targets.ref_logprobs[micro.rows],
+                                    micro.mask)
         loss = reduce_loss(per_token, micro.mask, "token", micro.num_rows, micro.num_tokens,
                            micro.max_tokens)
         return loss, metrics

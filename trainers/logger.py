@@ -45,7 +45,7 @@ class MetricsLogger:
         mode = os.environ.get("WANDB_MODE", self.config.wandb_mode)
         self.wandb_run = wandb.init(project=self.config.wandb_project, mode=mode,
                                     dir=str(output_dir), config=run_config)
-        self.wandb_dir = self.wandb_run.dir
+        self.wandb_dir = str(Path(self.wandb_run.dir).parent)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics."""
