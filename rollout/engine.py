@@ -65,6 +65,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.sleep_level = 0
+        self.kv_blocks_used_peak = 0
         self.weights_offloaded = False
         # Held by every step and by weight commits, so an update lands between steps.
         self.lock = threading.RLock()
@@ -158,6 +159,8 @@ class LLMEngine:
         for child in children:
             child.status = SequenceStatus.FORK_PENDING
         first.pending_children = children
+        if not self.requests:
+            self.kv_blocks_used_peak = 0
         self.requests[request_id] = request
         self.scheduler.add(first)
 
@@ -179,6 +182,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        self.kv_blocks_used_peak = max(self.kv_blocks_used_peak,
+                                       self.block_manager.num_used_blocks)
         sampler_output = self.runner.execute(batch)
         sampled = self.scheduler.update(batch, sampler_output.token_ids, self.weight_version)
         finished: list[RequestOutput] = []
@@ -226,7 +231,8 @@ class LLMEngine:
 
         Memory held (and, when sized from a device share, the plan's parts as
         ``memory_*``), the decode graphs (how many, the seconds and device bytes their last
-        capture took), KV pool use, queue lengths, weight version, prefix-cache hits,
+        capture took), KV pool use (``kv_blocks_used_peak``: the most blocks held at once since
+        the engine was last idle), queue lengths, weight version, prefix-cache hits,
         copy-on-write copies and preemptions.
         """
         block_manager = self.block_manager
@@ -240,6 +246,7 @@ class LLMEngine:
             "graph_bytes": self.runner.graph_bytes,
             "kv_blocks_total": block_manager.num_blocks,
             "kv_blocks_used": block_manager.num_used_blocks,
+            "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),

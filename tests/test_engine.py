@@ -155,3 +155,14 @@ def test_engine_step_loop_abort_frees_blocks(llama_dir):
                                   "num_waiting", "weight_version", "preemptions")} == {
         "kv_blocks_total": 40, "kv_blocks_used": 0, "num_running": 0, "num_waiting": 0,
         "weight_version": 0, "preemptions": 0}
+
+
+def test_stats_report_the_peak_kv_use_of_the_last_busy_period(llama_dir):
+    llm = LLM(str(llama_dir), num_kv_blocks=64, block_size=4, max_model_len=64)
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(n=3, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    stats = llm.stats()
+    # 11 tokens: the prompt's full block shared, each child's 2 more blocks of its own.
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_used_peak"] == 1 + 3 * 2
+    llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats()["kv_blocks_used_peak"] == 1

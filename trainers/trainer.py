@@ -364,7 +364,7 @@ def _rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor,
             "completion_length_max": float(lengths.max()),
             "rollout_seconds": batch.seconds,
             "rollout_tok_per_s": batch.num_completion_tokens / max(batch.seconds, 1e-9),
-            "kv_blocks_used_fraction": engine_stats["kv_blocks_used"]
+            "kv_blocks_used_peak_fraction": engine_stats["kv_blocks_used_peak"]
             / max(engine_stats["kv_blocks_total"], 1),
             "prefix_cache_hit_rate": engine_stats["prefix_cache_hit_tokens"] / max(queried, 1),
             "cow_copies": float(engine_stats["cow_copies"]),
