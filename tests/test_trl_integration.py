@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("trl")
@@ -40,11 +44,12 @@ def grpo_config(tmp_path, **overrides) -> GRPOConfig:
     return GRPOConfig(**fields)
 
 
-def train(model_dir, tmp_path, **kwargs):
+def train(model_dir, tmp_path, config_overrides=None, **kwargs):
     trainer = tandem_grpo_trainer(model=str(model_dir),
                                   reward_funcs=[correct_reward, number_format_reward,
                                                 even_token_reward],
-                                  args=grpo_config(tmp_path), train_dataset=arith_dataset(),
+                                  args=grpo_config(tmp_path, **(config_overrides or {})),
+                                  train_dataset=arith_dataset(),
                                   tandem=TANDEM, **kwargs)
     trainer.train()
     return trainer, [log for log in trainer.state.log_history if "tandem/weight_version" in log]
@@ -58,10 +63,15 @@ def assert_on_policy_with_a_sync_per_round(trainer, logs) -> None:
     assert all("tandem/sync_seconds" in log and "tandem/kv_cache_usage" in log for log in logs)
 
 
-def test_grpo_trainer_trains_with_tandem_generating(llama_dir, tmp_path):
-    trainer, logs = train(llama_dir, tmp_path)
+def test_grpo_trainer_trains_with_tandem_generating_and_sleeping(llama_dir, tmp_path):
+    trainer, logs = train(llama_dir, tmp_path, {"vllm_enable_sleep_mode": True})
     assert_on_policy_with_a_sync_per_round(trainer, logs)
     assert all(0.0 <= log["tandem/prefix_cache_hit_rate"] <= 1.0 for log in logs)
+    # The KV pool is freed after each round; the next round's sync lands asleep.
+    assert trainer.vllm_generation.llm.engine.sleep_level == 1
+    assert all("tandem/wake_seconds" in log and "tandem/sleep_seconds" in log for log in logs)
+    # TRL's tool loop reads the context limit at vLLM's path.
+    assert trainer.vllm_generation.llm.llm_engine.model_config.max_model_len == 128
 
 
 def test_grpo_trainer_with_peft_lora_pushes_only_the_adapter(llama_dir, tmp_path):
@@ -96,3 +106,13 @@ def test_incompatible_setting_is_refused(llama_dir, tmp_path, overrides, message
         tandem_grpo_trainer(model=str(llama_dir), reward_funcs=[correct_reward],
                             args=grpo_config(tmp_path, **overrides),
                             train_dataset=arith_dataset())
+
+
+def test_trl_recipe_trains_a_step_on_a_tiny_model(llama_dir, tmp_path):
+    path = Path(__file__).resolve().parents[1] / "recipes" / "trl_grpo.py"
+    spec = importlib.util.spec_from_file_location("trl_grpo_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    metrics = recipe.main(["--model", str(llama_dir), "--max-steps", "1",
+                           "--output-dir", str(tmp_path)])
+    assert math.isfinite(metrics["train_loss"])
