@@ -66,7 +66,7 @@ from trl.generation.vllm_generation import VLLMGeneration  # noqa: E402
 from trl.trainer import grpo_trainer  # noqa: E402
 
 # (GRPOConfig field, the value Tandem supports, why and what to do instead)
-UNSUPPORTED_SETTINGS = (
+REQUIRED_SETTINGS = (
     ("vllm_mode", "colocate", "Tandem generates inside each training process; for a separate "
      "server use `tandem serve` with TandemClient in a rollout_func"),
     ("vllm_tensor_parallel_size", 1, "each process runs one Tandem engine on its own device"),
@@ -116,7 +116,7 @@ def check_grpo_config(args: GRPOConfig) -> None:
     Raises:
         ValueError: naming the field, its value and what to do instead.
     """
-    for name, supported, why in UNSUPPORTED_SETTINGS:
+    for name, supported, why in REQUIRED_SETTINGS:
         value = getattr(args, name)
         if value != supported:
             raise ValueError(f"GRPOConfig.{name}={value!r} is not supported with Tandem ({why}): "
