@@ -84,3 +84,19 @@ def generate_rollouts(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: li
         columns=columns,
         weight_version=max(output.weight_version for output in outputs),
         seconds=seconds)
+
+
+def engine_round_metrics(before: dict[str, float], after: dict[str, float]
+                         ) -> dict[str, float]:
+    """A generation round's engine metrics from its ``stats()`` before and after it: the
+    weight version, the peak share of the KV pool held, and the round's own prefix-cache
+    hit rate, copy-on-write copies and preemptions."""
+    def delta(key: str) -> float:
+        return float(after[key] - before[key])
+
+    return {"weight_version": float(after["weight_version"]),
+            "kv_blocks_used_peak_fraction": after["kv_blocks_used_peak"]
+            / max(after["kv_blocks_total"], 1),
+            "prefix_cache_hit_rate": delta("prefix_cache_hit_tokens")
+            / max(delta("prefix_cache_queried_tokens"), 1.0),
+            "cow_copies": delta("cow_copies"), "preemptions": delta("preemptions")}

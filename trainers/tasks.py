@@ -26,6 +26,9 @@ from typing import Any
 from .rewards import RewardFn
 
 Example = dict[str, Any]
+# A completion as TRL hands it to reward functions: text, or for conversational prompts the
+# generated messages (``[{"role": "assistant", "content": ...}]``).
+Completion = str | list[dict[str, Any]]
 INTEGER = re.compile(r"-?\d+")
 
 
@@ -59,6 +62,11 @@ def build_task(name: str, **task_args: Any) -> Task:
         return builders[name](**task_args)
     except TypeError as error:
         raise ValueError(f"task {name!r}: {error}.") from error
+
+
+def completion_text(completion: Completion) -> str:
+    """A completion's text: itself, or the content of its last message."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def last_integer(text: str) -> int | None:
@@ -103,14 +111,16 @@ def _arith_example(question: tuple[int, str, int]) -> Example:
             "answer": answer}
 
 
-def correct_reward(completions: list[str], answer: list[int], **_: Any) -> list[float]:
+def correct_reward(completions: list[Completion], answer: list[int], **_: Any) -> list[float]:
     """1 when the completion's last integer is the answer, else 0."""
-    return [float(last_integer(c) == int(a)) for c, a in zip(completions, answer)]
+    return [float(last_integer(completion_text(c)) == int(a))
+            for c, a in zip(completions, answer)]
 
 
-def number_format_reward(completions: list[str], **_: Any) -> list[float]:
+def number_format_reward(completions: list[Completion], **_: Any) -> list[float]:
     """1 when the completion is a single integer (optionally ending with a period), else 0."""
-    return [float(re.fullmatch(r"\s*-?\d+\.?\s*", c) is not None) for c in completions]
+    return [float(re.fullmatch(r"\s*-?\d+\.?\s*", completion_text(c)) is not None)
+            for c in completions]
 
 
 # --- gsm8k -------------------------------------------------------------------------------
@@ -146,9 +156,10 @@ def gsm8k_task(path: str, eval_size: int = 128) -> Task:
                 [("correct", 1.0), ("format", 0.2)])
 
 
-def hash_format_reward(completions: list[str], **_: Any) -> list[float]:
+def hash_format_reward(completions: list[Completion], **_: Any) -> list[float]:
     """1 when the completion ends with a ``#### <number>`` line, else 0."""
-    return [float(re.search(r"####\s*-?[\d,]+\.?\s*$", c) is not None) for c in completions]
+    return [float(re.search(r"####\s*-?[\d,]+\.?\s*$", completion_text(c)) is not None)
+            for c in completions]
 
 
 # --- target_token ------------------------------------------------------------------------

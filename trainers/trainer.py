@@ -39,7 +39,7 @@ from .distributed import (
 from .logger import MetricsLogger
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
-from .rollout import RolloutBatch, generate_rollouts
+from .rollout import RolloutBatch, engine_round_metrics, generate_rollouts
 from .tasks import Example, Task, build_task
 
 
@@ -174,16 +174,17 @@ class Trainer:
         (averaged over ranks)."""
         self.step += 1
         wake_seconds = self._wake()
+        stats_before = self.llm.stats()
         batch = generate_rollouts(self.llm, self.tokenizer, self._examples(self.step),
                                   self.config.rollout, self._rollout_seed(self.step))
-        engine_stats = self.llm.stats()
+        engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
         sleep_seconds = self._sleep()
         rewards, per_function = compute_rewards(
             self.rewards, batch.prompts, batch.completions,
             {**batch.columns, "completion_ids": batch.completion_ids})
         metrics = self._optimize(batch, rewards)
         metrics["sync_seconds"] = self.sync_weights()
-        metrics.update(_rollout_metrics(batch, rewards, per_function, engine_stats))
+        metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
                        weight_version=float(self.llm.engine.weight_version),
                        lr=self.scheduler.get_last_lr()[0])
@@ -354,21 +355,14 @@ class Trainer:
 
 
 def _rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor,
-                     per_function: dict[str, torch.Tensor],
-                     engine_stats: dict[str, int]) -> dict[str, float]:
+                     per_function: dict[str, torch.Tensor]) -> dict[str, float]:
     lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-    queried = engine_stats["prefix_cache_queried_tokens"]
     return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
             **{f"rewards/{name}": float(v.mean()) for name, v in per_function.items()},
             "completion_length": float(lengths.mean()),
             "completion_length_max": float(lengths.max()),
             "rollout_seconds": batch.seconds,
-            "rollout_tok_per_s": batch.num_completion_tokens / max(batch.seconds, 1e-9),
-            "kv_blocks_used_peak_fraction": engine_stats["kv_blocks_used_peak"]
-            / max(engine_stats["kv_blocks_total"], 1),
-            "prefix_cache_hit_rate": engine_stats["prefix_cache_hit_tokens"] / max(queried, 1),
-            "cow_copies": float(engine_stats["cow_copies"]),
-            "preemptions": float(engine_stats["preemptions"])}
+            "rollout_tok_per_s": batch.num_completion_tokens / max(batch.seconds, 1e-9)}
 
 
 def _combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
