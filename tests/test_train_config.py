@@ -38,6 +38,7 @@ def test_overrides_replace_recipe_fields_with_yaml_values(tmp_path):
     (["steps=0"], "steps=0 is invalid"),
     (["optim.lr=fast"], "optim.lr='fast' is invalid: it must be a number"),
     (["steps"], "malformed"),
+    (["rollout.engine={kv_blocks: 8}"], r"rollout.engine.kv_blocks: valid options are dtype"),
 ])
 def test_bad_fields_are_refused_naming_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from tandem.rollout.config import EngineConfig
+
 
 @dataclass(slots=True)
 class RewardConfig:
@@ -233,6 +235,11 @@ class TrainConfig:
         if self.algorithm == "grpo" and self.rollout.num_generations < 2:
             raise ValueError("rollout.num_generations must be >= 2 for GRPO: advantages are "
                              "relative to the other completions of the same prompt.")
+        engine_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+        unknown = sorted(set(self.rollout.engine) - set(engine_fields))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) rollout.engine.{', '.join(unknown)}: "
+                             f"valid options are {', '.join(engine_fields)}.")
         if not self.optim.lr > 0:
             raise ValueError(f"optim.lr={self.optim.lr!r} is invalid: it must be > 0.")
 
