@@ -71,9 +71,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The pool's rows for ``block_table`` as ``[..., num_blocks * block_size, kv_heads, dim]``."""
-    blocks = cache[block_table]
-    return blocks.flatten(-4, -3)
+    """The pool's rows for ``block_table`` as ``[..., num_blocks * block_size, kv_heads, dim]``,
+    upcast to float32 from half precision."""
+    return _upcast(cache[block_table].flatten(-4, -3))
+
+
+def _upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in float32 if it is half precision: the reference computes attention in
+    float32 whatever the pool's dtype (and on CPU, SDPA in bfloat16 is several times slower)."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,20 +93,21 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     values = _gather(v_cache, block_tables).transpose(1, 2)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values, attn_mask=mask,
-                                         scale=scale, enable_gqa=True)
-    return out.squeeze(2)
+    out = F.scaled_dot_product_attention(_upcast(query.unsqueeze(2)), keys, values,
+                                         attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2).to(query.dtype)
 
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        block_table: torch.Tensor, context_len: int,
                        scale: float) -> torch.Tensor:
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
+    output_dtype = query.dtype
     block_size = k_cache.shape[1]
     block_table = block_table[: -(-context_len // block_size)]
     keys = _gather(k_cache, block_table)[:context_len].transpose(0, 1)
     values = _gather(v_cache, block_table)[:context_len].transpose(0, 1)
-    query = query.transpose(0, 1)
+    query = _upcast(query.transpose(0, 1))
     num_query = query.shape[1]
     if num_query == context_len:
         out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
@@ -111,4 +118,4 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mask = key_pos[None, :] <= query_pos[:, None]
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
-    return out.transpose(0, 1)
+    return out.transpose(0, 1).to(output_dtype)
