@@ -97,17 +97,21 @@ class Sampler:
         One uniform per row is cheap (per-element noise costs tens of ms per step on a CPU
         at a 49k vocabulary), and lets each seeded row draw from its own generator.
         """
-        token_ids = logprobs.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
-        if not rows:
-            return token_ids
+        if not rows or len(rows) < len(seqs):
+            token_ids = logprobs.argmax(dim=-1)
+            if not rows:
+                return token_ids
+        else:
+            token_ids = torch.empty(len(seqs), dtype=torch.long, device=logprobs.device)
         uniform = torch.rand(len(rows), 1, generator=self.generator, device=logprobs.device)
         for j, i in enumerate(rows):
             if seqs[i].seed is not None:
                 uniform[j] = torch.rand(1, generator=self._generator_of(seqs[i]),
                                         device=logprobs.device)
         index = torch.tensor(rows, device=logprobs.device)
-        cdf = logprobs[index].exp().cumsum(dim=-1)
+        sampled_logprobs = logprobs if len(rows) == len(seqs) else logprobs[index]
+        cdf = sampled_logprobs.exp().cumsum_(dim=-1)
         # Scaling by the row total absorbs float32 rounding in the cumulative sum; a token of
         # probability 0 adds nothing to the sum, so "first entry above u" never picks it.
         sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
