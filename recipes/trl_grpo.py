@@ -19,7 +19,7 @@ from datasets import Dataset
 from trl import GRPOConfig
 
 from tandem.rollout.default_model import DEFAULT_MODEL, resolve_model
-from tandem.trainers.tasks import arith_task, correct_reward, number_format_reward
+from tandem.trainers.tasks import arith_task, correct_reward, short_answer_reward
 from tandem.trainers.trl_integration import tandem_grpo_trainer
 
 PROMPTS_PER_STEP = 8
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         vllm_enable_sleep_mode=True)
     trainer = tandem_grpo_trainer(
         model=str(resolve_model(options.model)),
-        reward_funcs=[correct_reward, number_format_reward], args=config,
+        reward_funcs=[correct_reward, short_answer_reward], args=config,
         train_dataset=arith_dataset(options.max_steps * PROMPTS_PER_STEP, options.seed))
     return trainer.train().metrics
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tandem.trainers.rewards import RewardError, WeightedReward, compute_rewards, resolve_reward
-from tandem.trainers.tasks import arith_task, build_task, correct_reward, number_format_reward
+from tandem.trainers.tasks import arith_task, build_task, correct_reward, short_answer_reward
 
 
 def test_weighted_sum_of_reward_functions():
@@ -41,9 +41,10 @@ def test_a_non_number_reward_is_refused():
 
 
 def test_arith_rewards_score_the_answer_and_the_format():
-    completions = ["8", "3 + 5 = 8.", "9", "The answer is 8"]
-    assert correct_reward(completions, [8] * 4) == [1.0, 1.0, 0.0, 1.0]
-    assert number_format_reward(completions) == [1.0, 0.0, 1.0, 0.0]
+    completions = ["8", "3 + 5 = 8.", "9", "The answer is 8 apples", "3 + 5 = 8\nAnd 8 + 1 = 9",
+                   "To add three and five we start from three and count up five: 8"]
+    assert correct_reward(completions, [8] * 6) == [1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
+    assert short_answer_reward(completions) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_arith_held_out_questions_never_appear_in_training():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.trainers.tasks import correct_reward, hash_format_reward, number_format_reward
+from tandem.trainers.tasks import correct_reward, hash_format_reward, short_answer_reward
 
 
 def test_rewards_score_text_and_conversational_completions_alike():
@@ -10,5 +10,5 @@ def test_rewards_score_text_and_conversational_completions_alike():
     messages = [[{"role": "assistant", "content": text}] for text in texts]
     for completions in (texts, messages):
         assert correct_reward(completions, answer=[12, 12, 8]) == [1.0, 1.0, 0.0]
-        assert number_format_reward(completions) == [1.0, 0.0, 0.0]
+        assert short_answer_reward(completions) == [1.0, 1.0, 1.0]
         assert hash_format_reward(completions) == [0.0, 0.0, 1.0]

@@ -15,7 +15,7 @@ from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tandem.trainers import trl_integration  # noqa: E402
-from tandem.trainers.tasks import arith_task, correct_reward, number_format_reward  # noqa: E402
+from tandem.trainers.tasks import arith_task, correct_reward, short_answer_reward  # noqa: E402
 from tandem.trainers.trl_integration import (  # noqa: E402
     TandemConfig,
     check_trl_version,
@@ -46,7 +46,7 @@ def grpo_config(tmp_path, **overrides) -> GRPOConfig:
 
 def train(model_dir, tmp_path, config_overrides=None, **kwargs):
     trainer = tandem_grpo_trainer(model=str(model_dir),
-                                  reward_funcs=[correct_reward, number_format_reward,
+                                  reward_funcs=[correct_reward, short_answer_reward,
                                                 even_token_reward],
                                   args=grpo_config(tmp_path, **(config_overrides or {})),
                                   train_dataset=arith_dataset(),

@@ -4,8 +4,8 @@ A task yields examples (``{"prompt": str | conversation, <column>: ...}``) from 
 stream that repeats with the seed, and a held-out set that never overlaps it.
 
 - ``arith``: small additions and subtractions generated in code; rewards ``correct`` (the
-  last integer of the completion is the answer) and ``format`` (the completion is only that
-  number).
+  last integer of the completion is the answer) and ``format`` (one short line ending with a
+  number, as the system prompt asks).
 - ``gsm8k``: a local GSM8K-style JSON-lines file (``question``, ``answer`` ending in
   ``#### N``); rewards ``correct`` and ``format`` (the completion ends with ``#### N``).
 - ``target_token``: short text prompts; reward ``target`` is the fraction of completion
@@ -77,7 +77,8 @@ def last_integer(text: str) -> int | None:
 
 # --- arith -------------------------------------------------------------------------------
 
-ARITH_SYSTEM = "Reply with only the number."
+ARITH_SYSTEM = "Answer in one short line that ends with the number."
+SHORT_ANSWER = re.compile(r"[^\n]{0,32}?-?\d+\.?")
 
 
 def arith_task(max_operand: int = 9, operations: str = "+-", eval_size: int = 64) -> Task:
@@ -95,7 +96,7 @@ def arith_task(max_operand: int = 9, operations: str = "+-", eval_size: int = 64
     rng = random.Random(1234)
     eval_questions = rng.sample(held_out, min(eval_size, len(held_out)))
     return Task(train_example, [_arith_example(q) for q in eval_questions],
-                {"correct": correct_reward, "format": number_format_reward},
+                {"correct": correct_reward, "format": short_answer_reward},
                 [("correct", 1.0), ("format", 0.5)])
 
 
@@ -117,9 +118,10 @@ def correct_reward(completions: list[Completion], answer: list[int], **_: Any) -
             for c, a in zip(completions, answer)]
 
 
-def number_format_reward(completions: list[Completion], **_: Any) -> list[float]:
-    """1 when the completion is a single integer (optionally ending with a period), else 0."""
-    return [float(re.fullmatch(r"\s*-?\d+\.?\s*", completion_text(c)) is not None)
+def short_answer_reward(completions: list[Completion], **_: Any) -> list[float]:
+    """1 when the completion is one line of at most about 40 characters ending with an integer
+    (and maybe a period), such as ``12`` or ``5 + 7 = 12.``, else 0."""
+    return [float(SHORT_ANSWER.fullmatch(completion_text(c).strip()) is not None)
             for c in completions]
 
 
