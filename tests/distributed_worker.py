@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.trainers.config import load_config
-from tandem.trainers.distributed import full_named_parameters
+from tandem.trainers.distributed import full_named_parameters, shutdown
 from tandem.trainers.trainer import Trainer
 
 
@@ -35,7 +35,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(out_path, "w") as file:
             json.dump(records, file)
-    dist.destroy_process_group()
+    shutdown(trainer.context, 0)
 
 
 if __name__ == "__main__":

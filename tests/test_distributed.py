@@ -21,9 +21,10 @@ def test_every_rank_engine_gets_the_same_weights_each_step(llama_dir, tmp_path, 
                  "rollout.max_tokens=6",
                  "rollout.engine={num_kv_blocks: 64, max_model_len: 128, device: cpu}",
                  "optim.lr=1e-2", "logging.wandb=false", "logging.progress_bar=false"]
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                    "--standalone", str(WORKER), str(out), *overrides],
-                   check=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--standalone", str(WORKER), str(out), *overrides],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-5000:]
     records = json.loads(out.read_text())
     assert len(records) == 2
     for step, ranks in enumerate(records, start=1):

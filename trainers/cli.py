@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .config import load_config
+from .distributed import shutdown
 from .rewards import RewardError
 
 
@@ -35,6 +36,7 @@ def train(args: argparse.Namespace) -> int:
         return 1
     if trainer.context.is_main:
         print_summary(summary)
+    shutdown(trainer.context, 0)
     return 0
 
 
