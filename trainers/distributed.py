@@ -34,7 +34,9 @@ class DistributedContext:
 def init_distributed(device: str | None) -> DistributedContext:
     """Join torchrun's process group when there is one (NCCL on CUDA, gloo on CPU).
 
-    ``device`` forces ``"cpu"`` or ``"cuda"``; by default CUDA when available.
+    ``device`` (``rollout.engine.device``) forces ``"cpu"`` or ``"cuda"``, by default CUDA
+    when available; under torchrun each rank takes ``cuda:LOCAL_RANK`` whatever index it
+    names, alone a named index (``"cuda:1"``) is kept.
     """
     use_cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -42,10 +44,13 @@ def init_distributed(device: str | None) -> DistributedContext:
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if use_cuda:
-        torch.cuda.set_device(local_rank)
-    return DistributedContext(rank, world_size,
-                              torch.device(f"cuda:{local_rank}" if use_cuda else "cpu"))
+    if world_size == 1 and device is not None and torch.device(device).index is not None:
+        chosen = torch.device(device)
+    else:
+        chosen = torch.device(f"cuda:{local_rank}" if use_cuda else "cpu")
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    return DistributedContext(rank, world_size, chosen)
 
 
 def shutdown(context: DistributedContext, status: int) -> None:

@@ -76,9 +76,9 @@ class Trainer:
                                            weight_decay=config.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.llm = LLM(str(self.model_dir), **{"dtype": config.dtype,
-                                               "device": str(self.context.device),
                                                "seed": config.seed + self.context.rank,
-                                               **config.rollout.engine})
+                                               **config.rollout.engine,
+                                               "device": str(self.context.device)})
         self.lora_sync = self._build_lora_sync()
         self.step = 0
         if config.resume_from:
