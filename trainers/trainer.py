@@ -154,15 +154,16 @@ class Trainer:
         before = self.evaluate()
         bar = tqdm(range(self.step, config.steps), desc="train", unit="step",
                    disable=not (self.context.is_main and config.logging.progress_bar))
-        history = []
+        history, checkpoint = [], None
         for _ in bar:
             metrics = self.train_step()
             history.append(metrics)
             self.logger.log(self.step, metrics)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}")
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                self.save_checkpoint()
-        checkpoint = self.save_checkpoint()
+                checkpoint = self.save_checkpoint()
+        if checkpoint is None or not checkpoint.name.endswith(f"-{self.step}"):
+            checkpoint = self.save_checkpoint()
         after = self.evaluate()
         self.logger.finish()
         return {"before": before, "after": after, "history": history,
@@ -179,9 +180,7 @@ class Trainer:
                                   self.config.rollout, self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
         sleep_seconds = self._sleep()
-        rewards, per_function = compute_rewards(
-            self.rewards, batch.prompts, batch.completions,
-            {**batch.columns, "completion_ids": batch.completion_ids})
+        rewards, per_function = self._rewards_of(batch)
         metrics = self._optimize(batch, rewards)
         metrics["sync_seconds"] = self.sync_weights()
         metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics)
@@ -197,6 +196,10 @@ class Trainer:
         return [self.task.train_example(self.config.seed, first + i)
                 for i in range(rank, per_step, world)]
 
+    def _rewards_of(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return compute_rewards(self.rewards, batch.prompts, batch.completions,
+                               {**batch.columns, "completion_ids": batch.completion_ids})
+
     def _rollout_seed(self, step: int) -> int:
         return (self.config.seed * 1_000_003 + step) * 10_007 + self.context.rank * 1_009
 
@@ -211,7 +214,8 @@ class Trainer:
             rewards.to(device), batch.group_ids.to(device), mask,
             lambda values, reference: self._score(tokens, values, reference))
         self.model.train()
-        slices = self._micro_batches(len(batch.completion_ids))
+        num_rows, num_tokens = len(batch.completion_ids), int(mask.sum())
+        slices = self._micro_batches(num_rows)
         losses, parts = [], []
         for index, rows in enumerate(slices):
             set_gradient_sync(self.model, index == len(slices) - 1)
@@ -219,8 +223,7 @@ class Trainer:
                 logprobs, values = self.model(tokens.rows(rows),
                                               self.config.rollout.temperature)
             micro = MicroBatch(rows, logprobs, values, sampler_logprobs[rows], mask[rows],
-                               len(batch.completion_ids), int(mask.sum()),
-                               self.config.rollout.max_tokens)
+                               num_rows, num_tokens, self.config.rollout.max_tokens)
             loss, micro_metrics = self.algorithm.loss(micro, targets)
             loss.backward()
             losses.append(loss.detach())
@@ -302,9 +305,7 @@ class Trainer:
         examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
         greedy = replace(self.config.rollout, num_generations=1, temperature=0.0)
         batch = generate_rollouts(self.llm, self.tokenizer, examples, greedy, seed=0)
-        _, per_function = compute_rewards(
-            self.rewards, batch.prompts, batch.completions,
-            {**batch.columns, "completion_ids": batch.completion_ids})
+        _, per_function = self._rewards_of(batch)
         metrics = {f"eval_{name}": float(values.mean()) for name, values in per_function.items()}
         accuracy_reward = self.config.eval_reward or self.rewards[0].name
         metrics["accuracy"] = metrics[f"eval_{accuracy_reward}"]
