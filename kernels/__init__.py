@@ -5,8 +5,8 @@ the references, ``triton_attention.py`` and ``triton_layers.py`` the Triton vers
 only when selected).
 """
 
-from .attention import AttentionMetadata, paged_attention, store_kv
+from .attention import AttentionMetadata, SharedPrefix, paged_attention, pool_layout, store_kv
 from .dispatch import BACKENDS, TORCH_OPS, KernelOps, select_kernels
 
-__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "KernelOps", "paged_attention",
-           "select_kernels", "store_kv"]
+__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "KernelOps", "SharedPrefix",
+           "paged_attention", "pool_layout", "select_kernels", "store_kv"]

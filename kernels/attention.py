@@ -6,6 +6,15 @@ The pool of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_hea
 head_dim]``. A token's slot is ``block_id * block_size + offset``. A step's tokens are one
 flat stream: decodes first (one query token each), then prefill chunks whose keys are partly
 already in the pool (earlier chunks) and partly written in this step.
+
+Every kernel reads the pool through its strides. The engine stores it head-major
+(``pool_layout``): each KV head's blocks are one contiguous run, so the reference gathers a
+batch's blocks with one ``index_select`` straight into the ``[kv_heads, seqs, tokens,
+head_dim]`` layout its matmuls take, with no transpose copy.
+
+Decodes that share leading blocks (a GRPO group's prompt) can be attended as a cascade
+(``SharedPrefix``): the shared blocks once per group, with all the members' queries in one
+matmul, then each decode's own blocks, the two parts merged by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -14,6 +23,38 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+def pool_layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The storage shape of a pool of logical ``shape`` ``[..., num_blocks, block_size,
+    num_kv_heads, head_dim]``, and the permutation that views that storage as ``shape``.
+
+    Storage is ``[..., num_kv_heads, num_blocks, block_size, head_dim]``.
+    """
+    lead = len(shape) - 4
+    storage = (*shape[:lead], shape[-2], shape[-4], shape[-3], shape[-1])
+    order = (*range(lead), lead + 1, lead + 2, lead, lead + 3)
+    return storage, order
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Decodes grouped by the leading KV blocks they share, for cascade attention.
+
+    ``block_tables[g]`` are group g's shared blocks (padded with block 0) and ``lens[g]`` their
+    tokens; ``members[g]`` are its decodes' indices, padded with ``num_decodes``.
+    ``member_slots[d]`` is decode d's place in ``members.flatten()``, or ``members.numel()``
+    for a decode in no group. ``suffix_block_tables[d]`` are decode d's blocks after its
+    group's shared ones (all of them for a decode in no group), holding ``suffix_lens[d]``
+    tokens, this step's included.
+    """
+
+    block_tables: torch.Tensor
+    lens: torch.Tensor
+    members: torch.Tensor
+    member_slots: torch.Tensor
+    suffix_block_tables: torch.Tensor
+    suffix_lens: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -25,6 +66,8 @@ class AttentionMetadata:
     ``cu_seqlens_q`` the start of each sequence's query tokens in the stream. The first
     ``num_decodes`` sequences have one query token each; ``max_query_len`` is the longest
     query chunk (known on the host, so kernels can size their grids without a device sync).
+    ``shared_prefix``, when set, groups the decodes for cascade attention (kernels that do not
+    use it ignore it).
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +76,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     num_decodes: int
     max_query_len: int = 1
+    shared_prefix: SharedPrefix | None = None
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -44,8 +88,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, key)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, value)
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, key)
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, value)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -58,9 +102,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        output[:num_decodes] = _decode_attention(
-            query[:num_decodes], k_cache, v_cache, metadata.block_tables[:num_decodes],
-            metadata.context_lens[:num_decodes], scale)
+        output[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache,
+                                                 metadata, scale)
     starts = metadata.cu_seqlens_q.tolist()
     context_lens = metadata.context_lens.tolist()
     for s in range(num_decodes, len(context_lens)):
@@ -70,10 +113,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return output
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """The pool's rows for ``block_table`` as ``[..., num_blocks * block_size, kv_heads, dim]``,
-    upcast to float32 from half precision."""
-    return _upcast(cache[block_table].flatten(-4, -3))
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """The tokens of ``block_tables`` ``[seqs, blocks]`` as ``[kv_heads, seqs, blocks *
+    block_size, head_dim]``, float32 for a half-precision pool.
+
+    One ``index_select`` on the head-major pool (``pool_layout``); a pool stored otherwise is
+    copied whole first (correct, but only for tests).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    runs = cache.permute(2, 0, 1, 3).reshape(num_kv_heads, num_blocks, block_size * head_dim)
+    rows = runs.index_select(1, block_tables.flatten())
+    return _upcast(rows.view(num_kv_heads, block_tables.shape[0], -1, head_dim))
 
 
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,20 +132,65 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """One query token per sequence, all sequences in one padded, masked SDPA call."""
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, lens: torch.Tensor,
+            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[kv_heads, seqs, rows, head_dim]`` to the first ``lens[s]``
+    tokens of sequence s's blocks, no causal mask.
+
+    Returns the output ``[kv_heads, seqs, rows, head_dim]`` and its log-sum-exp ``[kv_heads,
+    seqs, rows, 1]``.
+    """
     block_size = k_cache.shape[1]
-    num_blocks = -(-int(context_lens.max()) // block_size)
-    block_tables = block_tables[:, :num_blocks]
-    keys = _gather(k_cache, block_tables).transpose(1, 2)
-    values = _gather(v_cache, block_tables).transpose(1, 2)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    out = F.scaled_dot_product_attention(_upcast(query.unsqueeze(2)), keys, values,
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.squeeze(2).to(query.dtype)
+    block_tables = block_tables[:, : -(-int(lens.max()) // block_size)]
+    keys, values = _gather(k_cache, block_tables), _gather(v_cache, block_tables)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
+    beyond = torch.arange(keys.shape[2], device=lens.device)[None, :] >= lens[:, None]
+    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(scores.sub_(lse).exp_(), values), lse
+
+
+def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query token per decode, all decodes batched; a cascade when the decodes are
+    grouped by a ``SharedPrefix``."""
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
+    prefix = metadata.shared_prefix
+    if prefix is None:
+        out, _ = _attend(heads, k_cache, v_cache, metadata.block_tables[:num_decodes],
+                         metadata.context_lens[:num_decodes], scale)
+    else:
+        own, own_lse = _attend(heads, k_cache, v_cache, prefix.suffix_block_tables,
+                               prefix.suffix_lens, scale)
+        shared, shared_lse = _prefix_attention(heads, k_cache, v_cache, prefix, scale)
+        lse = torch.logaddexp(own_lse, shared_lse)
+        out = own * (own_lse - lse).exp_() + shared * (shared_lse - lse).exp_()
+    return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim).to(query.dtype)
+
+
+def _prefix_attention(heads: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      prefix: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode's attention to its group's shared blocks, computed once per group.
+
+    ``heads`` is ``[kv_heads, decodes, rows, head_dim]``; so are the output and (with one
+    column) the log-sum-exp. A decode in no group gets output 0 and log-sum-exp -inf.
+    """
+    num_kv_heads, num_decodes, rows, head_dim = heads.shape
+    num_groups, num_members = prefix.members.shape
+    padded = torch.cat([heads, heads.new_zeros(num_kv_heads, 1, rows, head_dim)], dim=1)
+    query = padded[:, prefix.members].reshape(num_kv_heads, num_groups, -1, head_dim)
+    out, lse = _attend(query, k_cache, v_cache, prefix.block_tables, prefix.lens, scale)
+
+    def per_decode(grouped: torch.Tensor, empty: float) -> torch.Tensor:
+        slots = grouped.view(num_kv_heads, num_groups * num_members, rows, -1)
+        slots = torch.cat([slots, slots.new_full((num_kv_heads, 1, *slots.shape[2:]), empty)],
+                          dim=1)
+        return slots.index_select(1, prefix.member_slots)
+
+    return per_decode(out, 0.0), per_decode(lse, float("-inf"))
 
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -104,9 +199,9 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
     output_dtype = query.dtype
     block_size = k_cache.shape[1]
-    block_table = block_table[: -(-context_len // block_size)]
-    keys = _gather(k_cache, block_table)[:context_len].transpose(0, 1)
-    values = _gather(v_cache, block_table)[:context_len].transpose(0, 1)
+    block_table = block_table[None, : -(-context_len // block_size)]
+    keys = _gather(k_cache, block_table)[:, 0, :context_len]
+    values = _gather(v_cache, block_table)[:, 0, :context_len]
     query = _upcast(query.transpose(0, 1))
     num_query = query.shape[1]
     if num_query == context_len:

@@ -21,9 +21,14 @@ BACKENDS = ("auto", "triton", "torch")
 
 @dataclass(frozen=True, slots=True)
 class KernelOps:
-    """One backend's kernels; every pair of backends shares these signatures."""
+    """One backend's kernels; every pair of backends shares these signatures.
+
+    ``cascade`` says whether ``paged_attention`` uses ``AttentionMetadata.shared_prefix``
+    (the runner builds it only then).
+    """
 
     name: str
+    cascade: bool
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
@@ -31,7 +36,7 @@ class KernelOps:
     silu_and_mul: Callable[..., torch.Tensor]
 
 
-TORCH_OPS = KernelOps("torch", attention.store_kv, attention.paged_attention, layers.rms_norm,
+TORCH_OPS = KernelOps("torch", True, attention.store_kv, attention.paged_attention, layers.rms_norm,
                       layers.rotary_embedding, layers.silu_and_mul)
 
 
@@ -58,6 +63,6 @@ def _triton_ops() -> KernelOps:
     # Imported here so that the CPU path never imports Triton.
     from . import triton_attention, triton_layers
 
-    return KernelOps("triton", triton_attention.store_kv, triton_attention.paged_attention,
+    return KernelOps("triton", False, triton_attention.store_kv, triton_attention.paged_attention,
                      triton_layers.rms_norm, triton_layers.rotary_embedding,
                      triton_layers.silu_and_mul)

@@ -39,6 +39,9 @@ class EngineConfig:
             or ``"torch"`` (the plain-torch references).
         enforce_eager: never capture CUDA graphs (they are captured on CUDA with the Triton
             kernels otherwise).
+        tune_cpu_allocator: on CPU, raise glibc malloc's mmap and trim thresholds for the
+            whole process so that freed temporaries are reused instead of page-faulted in
+            again every step (see ``cpu_allocator.py``); False leaves malloc as it is.
     """
 
     model: str
@@ -55,6 +58,7 @@ class EngineConfig:
     seed: int = 0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    tune_cpu_allocator: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")

@@ -18,6 +18,7 @@ from tandem.sync import WeightUpdate
 
 from .block_manager import BlockManager, num_blocks_for
 from .config import CPU_KV_CACHE_BYTES, EngineConfig
+from .cpu_allocator import keep_freed_memory
 from .default_model import resolve_model
 from .errors import EngineAsleepError
 from .memory import MemoryPlan, activation_bytes, graph_pool_bytes, plan_memory
@@ -53,6 +54,8 @@ class LLMEngine:
         self.memory_plan: MemoryPlan | None = None  # set when sized from a device share
         device = config.torch_device
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
+        if device.type == "cpu" and config.tune_cpu_allocator:
+            keep_freed_memory()
         self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
                                   config.block_size, self.eos_token_ids, config.seed,
                                   config.attention_backend, config.enforce_eager,

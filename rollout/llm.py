@@ -38,14 +38,16 @@ class LLM:
                  gpu_memory_utilization: float | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0,
-                 attention_backend: str = "auto", enforce_eager: bool = False) -> None:
+                 attention_backend: str = "auto", enforce_eager: bool = False,
+                 tune_cpu_allocator: bool = True) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, block_size=block_size,
             num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
             gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching, seed=seed,
-            attention_backend=attention_backend, enforce_eager=enforce_eager))
+            attention_backend=attention_backend, enforce_eager=enforce_eager,
+            tune_cpu_allocator=tune_cpu_allocator))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, select_kernels
+from tandem.kernels import AttentionMetadata, SharedPrefix, pool_layout, select_kernels
 
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
@@ -25,6 +25,7 @@ from .models import build_model
 from .models.llama import head_dim_of
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
+from .sequence import Sequence
 
 
 def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -66,11 +67,12 @@ class ModelRunner:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``."""
+        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``,
+        stored head-major (``pool_layout``)."""
         config = self.model.config
-        shape = (2, config.num_hidden_layers, num_blocks, self.block_size,
-                 config.num_key_value_heads, head_dim_of(config))
-        self.kv_cache = _zeros(shape, self.dtype, self.device)
+        storage, order = pool_layout((2, config.num_hidden_layers, num_blocks, self.block_size,
+                                      config.num_key_value_heads, head_dim_of(config)))
+        self.kv_cache = _zeros(storage, self.dtype, self.device).permute(order)
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
@@ -188,26 +190,72 @@ class ModelRunner:
             slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
             context_lens=self._tensor(context_lens), cu_seqlens_q=self._tensor(cu_seqlens_q),
             num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
+        if self.ops.cascade:
+            metadata.shared_prefix = self._shared_prefix(batch.seqs[:batch.num_decodes])
         return (self._tensor(input_ids), self._tensor(positions), metadata,
                 self._tensor(sample_rows))
+
+    def _shared_prefix(self, decodes: list[Sequence]) -> SharedPrefix | None:
+        """The decodes grouped by request, each group with the full blocks all its members
+        share before their last token (None when no two decodes share a block)."""
+        by_request: dict[str, list[int]] = {}
+        for d, seq in enumerate(decodes):
+            by_request.setdefault(seq.request_id, []).append(d)
+        groups = [(members, num_shared) for members in by_request.values() if len(members) > 1
+                  if (num_shared := self._num_shared_blocks([decodes[d] for d in members]))]
+        if not groups:
+            return None
+        width = max(len(members) for members, _ in groups)
+        prefix_width = max(num_shared for _, num_shared in groups)
+        member_slots = [width * len(groups)] * len(decodes)
+        skipped = [0] * len(decodes)
+        members_table, prefix_tables = [], []
+        for g, (members, num_shared) in enumerate(groups):
+            members_table.append(members + [len(decodes)] * (width - len(members)))
+            shared = decodes[members[0]].block_table[:num_shared]
+            prefix_tables.append(shared + [0] * (prefix_width - num_shared))
+            for slot, d in enumerate(members):
+                member_slots[d] = g * width + slot
+                skipped[d] = num_shared
+        suffixes = [seq.block_table[skip:] for seq, skip in zip(decodes, skipped)]
+        suffix_width = max(len(suffix) for suffix in suffixes)
+        return SharedPrefix(
+            block_tables=self._tensor(prefix_tables),
+            lens=self._tensor([n * self.block_size for _, n in groups]),
+            members=self._tensor(members_table), member_slots=self._tensor(member_slots),
+            suffix_block_tables=self._tensor([suffix + [0] * (suffix_width - len(suffix))
+                                              for suffix in suffixes]),
+            suffix_lens=self._tensor([seq.num_tokens - skip * self.block_size
+                                      for seq, skip in zip(decodes, skipped)]))
+
+    def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
+        """How many leading blocks ``seqs`` all share that lie wholly before each one's last
+        token (the token this step writes)."""
+        first = seqs[0].block_table
+        num_shared = min((seq.num_tokens - 1) // self.block_size for seq in seqs)
+        for seq in seqs[1:]:
+            table = seq.block_table
+            shared = 0
+            while shared < num_shared and table[shared] == first[shared]:
+                shared += 1
+            num_shared = shared
+        return num_shared
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU an anonymous mapping backed by transparent huge pages.
+    """A zeroed tensor; on CPU a fresh anonymous mapping.
 
     Padded attention reads past a sequence's end, so the pool must never hold NaN garbage.
     ``torch.zeros`` on CPU would write (and make resident) the whole pool at start; a fresh
-    anonymous mapping is zero and costs memory only where written, and huge pages make the
-    first write to each 2 MiB one page fault instead of 512 (about 10% of a CPU decode
-    step otherwise).
+    anonymous mapping is zero and costs memory only where written. Not huge pages: in the
+    head-major pool a block is a short run (``block_size * head_dim`` values) per layer, KV
+    head and K/V, so one 2 MiB page would make hundreds of blocks resident per block used.
     """
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     num_bytes = math.prod(shape) * dtype.itemsize
     mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(mapping, dtype=dtype).view(shape)

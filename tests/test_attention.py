@@ -1,11 +1,11 @@
-"""Paged attention kernels, both backends, against the torch reference run in float64."""
+"""Paged attention kernels, both backends, against attention from its definition in float64."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.kernels import TORCH_OPS, AttentionMetadata
+from tandem.kernels import TORCH_OPS, AttentionMetadata, SharedPrefix, pool_layout
 
 from .kernel_checks import BACKENDS, TOLERANCE, relative_error
 
@@ -48,8 +48,28 @@ def paged_batch(decode_lens: list[int], prefills: list[tuple[int, int]], num_kv_
 
 
 def float64_attention(query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
-    return TORCH_OPS.paged_attention(query.double(), k_cache.double(), v_cache.double(),
-                                     metadata, scale)
+    """Each query token's softmax over its sequence's keys, token by token, in float64."""
+    out = torch.empty(query.shape, dtype=torch.float64)
+    group = query.shape[1] // k_cache.shape[2]
+    starts = metadata.cu_seqlens_q.tolist()
+    for s, context_len in enumerate(metadata.context_lens.tolist()):
+        blocks = metadata.block_tables[s].tolist()
+        slots = [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+                 for p in range(context_len)]
+        keys, values = (cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+                        for cache in (k_cache, v_cache))
+        first_position = context_len - (starts[s + 1] - starts[s])
+        for i, t in enumerate(range(starts[s], starts[s + 1])):
+            visible = first_position + i + 1
+            scores = torch.einsum("hd,khd->hk", query[t].double(), keys[:visible]) * scale
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[:visible])
+    return out
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` stored as the engine stores its pool (``pool_layout``), same logical view."""
+    storage, order = pool_layout(cache.shape)
+    return cache.permute(2, 0, 1, 3).contiguous().view(storage).permute(order)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -60,8 +80,51 @@ def test_mixed_decode_and_prefill_step_matches_float64(backend, dtype, num_kv_he
     # earlier keys are already in the pool, and a chunk ending on a block boundary.
     query, k_cache, v_cache, metadata = paged_batch(
         [1, 16, 17], [(19, 19), (5, 37), (32, 48)], num_kv_heads, group, dtype)
-    out = BACKENDS[backend].paged_attention(query, k_cache, v_cache, metadata, 0.125)
     reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
+    for k_pool, v_pool in ((k_cache, v_cache), (head_major(k_cache), head_major(v_cache))):
+        out = BACKENDS[backend].paged_attention(query, k_pool, v_pool, metadata, 0.125)
+        assert out.dtype == dtype
+        assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+def cascade_batch(dtype: torch.dtype) -> tuple:
+    """Seven decodes: four sharing three blocks, two sharing one, one alone; as a plain
+    batch and with the ``SharedPrefix`` that groups them."""
+    generator = torch.Generator().manual_seed(3)
+    num_kv_heads, group = 2, 3
+    cache_shape = (40, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    k_cache, v_cache = (head_major(torch.randn(cache_shape, generator=generator).to(dtype))
+                        for _ in range(2))
+    shared_a, shared_b = [7, 2, 30], [11]
+    tables = [shared_a + [3], shared_a + [4, 5], shared_a + [6], shared_a + [8],
+              shared_b + [12], shared_b + [13, 14], [20, 21]]
+    context_lens = [49, 70, 64, 60, 17, 40, 20]
+    width = max(map(len, tables))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        context_lens=torch.tensor(context_lens), cu_seqlens_q=torch.arange(8),
+        num_decodes=7)
+    skipped = [3, 3, 3, 3, 1, 1, 0]
+    suffixes = [t[n:] for t, n in zip(tables, skipped)]
+    suffix_width = max(map(len, suffixes))
+    prefix = SharedPrefix(
+        block_tables=torch.tensor([shared_a, shared_b + [0, 0]]),
+        lens=torch.tensor([3 * BLOCK_SIZE, BLOCK_SIZE]),
+        members=torch.tensor([[0, 1, 2, 3], [4, 5, 7, 7]]),
+        member_slots=torch.tensor([0, 1, 2, 3, 4, 5, 8]),
+        suffix_block_tables=torch.tensor([t + [0] * (suffix_width - len(t)) for t in suffixes]),
+        suffix_lens=torch.tensor([c - n * BLOCK_SIZE for c, n in zip(context_lens, skipped)]))
+    query = torch.randn(7, num_kv_heads * group, HEAD_DIM, generator=generator).to(dtype)
+    return query, k_cache, v_cache, metadata, prefix
+
+
+@pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
+def test_cascade_over_shared_blocks_matches_float64(dtype):
+    query, k_cache, v_cache, metadata, prefix = cascade_batch(dtype)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
+    metadata.shared_prefix = prefix
+    out = TORCH_OPS.paged_attention(query, k_cache, v_cache, metadata, 0.125)
     assert out.dtype == dtype
     assert relative_error(out, reference) < TOLERANCE[dtype]
 

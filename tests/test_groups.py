@@ -100,3 +100,31 @@ def test_n_above_max_num_seqs_is_refused(llama_dir):
     with pytest.raises(ValueError, match="max_num_seqs"):
         llm.generate([prompt_of(5)], SamplingParams(n=5), use_tqdm=False)
     assert len(llm.generate([prompt_of(5)], SamplingParams(n=4), use_tqdm=False)[0].outputs) == 4
+
+
+def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    runner = engine.runner
+    seen = []
+
+    def spy(decodes):
+        prefix = build(decodes)
+        seen.append(([seq.block_table[:] for seq in decodes], prefix))
+        return prefix
+
+    build = runner._shared_prefix
+    monkeypatch.setattr(runner, "_shared_prefix", spy)
+    engine.add_request("group", prompt_of(40), SamplingParams(n=4, max_tokens=30, seed=1))
+    engine.add_request("alone", prompt_of(40, 1), SamplingParams(max_tokens=30, seed=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    tables, prefix = next((t, p) for t, p in seen if p is not None)
+    assert prefix.lens.tolist() == [32] and prefix.members.shape == (1, 4)
+    members = prefix.members[0].tolist()
+    assert prefix.member_slots.tolist() == [
+        members.index(d) if d in members else 4 for d in range(len(tables))]
+    for d, table in enumerate(tables):
+        shared = prefix.block_tables[0].tolist() if d in members else []
+        suffix = prefix.suffix_block_tables[d].tolist()[:len(table) - len(shared)]
+        assert shared + suffix == table
+    assert engine.stats()["kv_blocks_used"] == 0
