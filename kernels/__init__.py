@@ -5,8 +5,17 @@ the references, ``triton_attention.py`` and ``triton_layers.py`` the Triton vers
 only when selected).
 """
 
-from .attention import AttentionMetadata, SharedPrefix, paged_attention, pool_layout, store_kv
+from .attention import (
+                        AttentionMetadata,
+                        BlockRuns,
+                        CascadeLayout,
+                        block_runs,
+                        paged_attention,
+                        pool_layout,
+                        store_kv,
+)
 from .dispatch import BACKENDS, TORCH_OPS, KernelOps, select_kernels
 
-__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "KernelOps", "SharedPrefix",
-           "paged_attention", "pool_layout", "select_kernels", "store_kv"]
+__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "BlockRuns", "CascadeLayout",
+           "KernelOps", "block_runs", "paged_attention", "pool_layout", "select_kernels",
+           "store_kv"]

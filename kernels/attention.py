@@ -13,7 +13,7 @@ batch's blocks with one ``index_select`` straight into the ``[kv_heads, seqs, to
 head_dim]`` layout its matmuls take, with no transpose copy.
 
 Decodes that share leading blocks (a GRPO group's prompt) can be attended as a cascade
-(``SharedPrefix``): the shared blocks once per group, with all the members' queries in one
+(``CascadeLayout``): the shared blocks once per group, with all the members' queries in one
 matmul, then each decode's own blocks, the two parts merged by their log-sum-exp.
 """
 
@@ -37,24 +37,49 @@ def pool_layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...
     return storage, order
 
 
-@dataclass(slots=True)
-class SharedPrefix:
-    """Decodes grouped by the leading KV blocks they share, for cascade attention.
+MASKED = float("-inf")
+EMPTY_LSE = -1e30  # the log-sum-exp of a run with nothing to attend: merges with weight 0
 
-    ``block_tables[g]`` are group g's shared blocks (padded with block 0) and ``lens[g]`` their
-    tokens; ``members[g]`` are its decodes' indices, padded with ``num_decodes``.
-    ``member_slots[d]`` is decode d's place in ``members.flatten()``, or ``members.numel()``
-    for a decode in no group. ``suffix_block_tables[d]`` are decode d's blocks after its
-    group's shared ones (all of them for a decode in no group), holding ``suffix_lens[d]``
-    tokens, this step's included.
+
+@dataclass(slots=True)
+class BlockRuns:
+    """Runs of KV blocks gathered together, each with the mask of the tokens it holds.
+
+    ``block_ids`` is ``[runs * blocks]``, each run's blocks in order padded with block 0;
+    ``bias`` is ``[runs, blocks * block_size]``: 0 for a token attended, ``MASKED`` beyond.
+    Built once per step (``block_runs``) and read by every layer.
     """
 
-    block_tables: torch.Tensor
-    lens: torch.Tensor
-    members: torch.Tensor
-    member_slots: torch.Tensor
-    suffix_block_tables: torch.Tensor
-    suffix_lens: torch.Tensor
+    block_ids: torch.Tensor
+    bias: torch.Tensor
+
+
+def block_runs(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> BlockRuns:
+    """The runs of ``block_tables`` ``[runs, blocks]`` holding ``lens[r]`` tokens each,
+    trimmed to the longest."""
+    num_blocks = -(-int(lens.max()) // block_size)
+    positions = torch.arange(num_blocks * block_size, device=lens.device)
+    bias = torch.zeros(len(lens), len(positions), device=lens.device)
+    bias.masked_fill_(positions[None, :] >= lens[:, None], MASKED)
+    return BlockRuns(block_tables[:, :num_blocks].flatten(), bias)
+
+
+@dataclass(slots=True)
+class CascadeLayout:
+    """The step's decodes for cascade attention, built once per step by the runner.
+
+    ``own`` has one run per decode. Without groups (``shared`` None) that is all. With groups,
+    ``shared`` has one run per group: the leading blocks all its members share, attended once
+    with all the members' queries in one matmul, and ``own`` holds each decode's blocks
+    after its group's. ``members[g]`` are group g's decode indices (padded with one of them);
+    ``member_slots[d]`` is decode d's place in ``members.flatten()``. Decodes in no group form
+    the last group, whose shared run is empty (all ``MASKED``).
+    """
+
+    own: BlockRuns
+    shared: BlockRuns | None = None
+    members: torch.Tensor | None = None
+    member_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -66,8 +91,8 @@ class AttentionMetadata:
     ``cu_seqlens_q`` the start of each sequence's query tokens in the stream. The first
     ``num_decodes`` sequences have one query token each; ``max_query_len`` is the longest
     query chunk (known on the host, so kernels can size their grids without a device sync).
-    ``shared_prefix``, when set, groups the decodes for cascade attention (kernels that do not
-    use it ignore it).
+    ``cascade``, set by the runner for kernels that use it, lays the decodes out for cascade
+    attention (the others ignore it).
     """
 
     slot_mapping: torch.Tensor
@@ -76,7 +101,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor
     num_decodes: int
     max_query_len: int = 1
-    shared_prefix: SharedPrefix | None = None
+    cascade: CascadeLayout | None = None
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -113,17 +138,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return output
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """The tokens of ``block_tables`` ``[seqs, blocks]`` as ``[kv_heads, seqs, blocks *
-    block_size, head_dim]``, float32 for a half-precision pool.
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, num_runs: int) -> torch.Tensor:
+    """The tokens of ``num_runs`` runs of ``block_ids`` as ``[kv_heads, runs, tokens,
+    head_dim]``, float32 for a half-precision pool.
 
     One ``index_select`` on the head-major pool (``pool_layout``); a pool stored otherwise is
     copied whole first (correct, but only for tests).
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     runs = cache.permute(2, 0, 1, 3).reshape(num_kv_heads, num_blocks, block_size * head_dim)
-    rows = runs.index_select(1, block_tables.flatten())
-    return _upcast(rows.view(num_kv_heads, block_tables.shape[0], -1, head_dim))
+    rows = runs.index_select(1, block_ids)
+    return _upcast(rows.view(num_kv_heads, num_runs, -1, head_dim))
 
 
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,64 +158,52 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            block_tables: torch.Tensor, lens: torch.Tensor,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` ``[kv_heads, seqs, rows, head_dim]`` to the first ``lens[s]``
-    tokens of sequence s's blocks, no causal mask.
+            runs: BlockRuns) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``query`` ``[kv_heads, runs, rows, head_dim]`` (already scaled) to its
+    run's unmasked tokens.
 
-    Returns the output ``[kv_heads, seqs, rows, head_dim]`` and its log-sum-exp ``[kv_heads,
-    seqs, rows, 1]``.
+    Returns the output ``[kv_heads, runs, rows, head_dim]`` and its log-sum-exp ``[kv_heads,
+    runs, rows, 1]``; an empty run gives output 0 and log-sum-exp ``EMPTY_LSE``.
     """
-    block_size = k_cache.shape[1]
-    block_tables = block_tables[:, : -(-int(lens.max()) // block_size)]
-    keys, values = _gather(k_cache, block_tables), _gather(v_cache, block_tables)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale)
-    beyond = torch.arange(keys.shape[2], device=lens.device)[None, :] >= lens[:, None]
-    scores.masked_fill_(beyond[None, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    num_runs = runs.bias.shape[0]
+    keys = _gather(k_cache, runs.block_ids, num_runs)
+    values = _gather(v_cache, runs.block_ids, num_runs)
+    scores = torch.matmul(query, keys.transpose(-1, -2)).add_(runs.bias[:, None, :])
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True).clamp_(min=EMPTY_LSE)
     return torch.matmul(scores.sub_(lse).exp_(), values), lse
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query token per decode, all decodes batched; a cascade when the decodes are
-    grouped by a ``SharedPrefix``."""
+    """One query token per decode, all decodes batched; a cascade when ``metadata.cascade``
+    groups them."""
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1)
-    prefix = metadata.shared_prefix
-    if prefix is None:
-        out, _ = _attend(heads, k_cache, v_cache, metadata.block_tables[:num_decodes],
-                         metadata.context_lens[:num_decodes], scale)
-    else:
-        own, own_lse = _attend(heads, k_cache, v_cache, prefix.suffix_block_tables,
-                               prefix.suffix_lens, scale)
-        shared, shared_lse = _prefix_attention(heads, k_cache, v_cache, prefix, scale)
-        lse = torch.logaddexp(own_lse, shared_lse)
-        out = own * (own_lse - lse).exp_() + shared * (shared_lse - lse).exp_()
+    heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * scale
+    layout = metadata.cascade or CascadeLayout(block_runs(
+        metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
+        k_cache.shape[1]))
+    out, own_lse = _attend(heads, k_cache, v_cache, layout.own)
+    if layout.shared is not None:
+        shared, shared_lse = _shared_attention(heads, k_cache, v_cache, layout)
+        out = torch.lerp(shared, out, torch.sigmoid(own_lse - shared_lse))
     return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim).to(query.dtype)
 
 
-def _prefix_attention(heads: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      prefix: SharedPrefix, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _shared_attention(heads: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      layout: CascadeLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Each decode's attention to its group's shared blocks, computed once per group.
 
     ``heads`` is ``[kv_heads, decodes, rows, head_dim]``; so are the output and (with one
-    column) the log-sum-exp. A decode in no group gets output 0 and log-sum-exp -inf.
+    column) the log-sum-exp.
     """
-    num_kv_heads, num_decodes, rows, head_dim = heads.shape
-    num_groups, num_members = prefix.members.shape
-    padded = torch.cat([heads, heads.new_zeros(num_kv_heads, 1, rows, head_dim)], dim=1)
-    query = padded[:, prefix.members].reshape(num_kv_heads, num_groups, -1, head_dim)
-    out, lse = _attend(query, k_cache, v_cache, prefix.block_tables, prefix.lens, scale)
-
-    def per_decode(grouped: torch.Tensor, empty: float) -> torch.Tensor:
-        slots = grouped.view(num_kv_heads, num_groups * num_members, rows, -1)
-        slots = torch.cat([slots, slots.new_full((num_kv_heads, 1, *slots.shape[2:]), empty)],
-                          dim=1)
-        return slots.index_select(1, prefix.member_slots)
-
-    return per_decode(out, 0.0), per_decode(lse, float("-inf"))
+    num_kv_heads, _, rows, head_dim = heads.shape
+    num_groups, width = layout.members.shape
+    query = heads.index_select(1, layout.members.flatten())
+    out, lse = _attend(query.view(num_kv_heads, num_groups, width * rows, head_dim),
+                       k_cache, v_cache, layout.shared)
+    return tuple(x.view(num_kv_heads, num_groups * width, rows, -1)
+                 .index_select(1, layout.member_slots) for x in (out, lse))
 
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -199,9 +212,9 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
     output_dtype = query.dtype
     block_size = k_cache.shape[1]
-    block_table = block_table[None, : -(-context_len // block_size)]
-    keys = _gather(k_cache, block_table)[:, 0, :context_len]
-    values = _gather(v_cache, block_table)[:, 0, :context_len]
+    block_ids = block_table[: -(-context_len // block_size)]
+    keys = _gather(k_cache, block_ids, 1)[:, 0, :context_len]
+    values = _gather(v_cache, block_ids, 1)[:, 0, :context_len]
     query = _upcast(query.transpose(0, 1))
     num_query = query.shape[1]
     if num_query == context_len:

@@ -23,7 +23,7 @@ BACKENDS = ("auto", "triton", "torch")
 class KernelOps:
     """One backend's kernels; every pair of backends shares these signatures.
 
-    ``cascade`` says whether ``paged_attention`` uses ``AttentionMetadata.shared_prefix``
+    ``cascade`` says whether ``paged_attention`` uses ``AttentionMetadata.cascade``
     (the runner builds it only then).
     """
 

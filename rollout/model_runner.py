@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, SharedPrefix, pool_layout, select_kernels
+from tandem.kernels import AttentionMetadata, CascadeLayout, block_runs, pool_layout, select_kernels
 
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
@@ -181,57 +181,68 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             if start + num_new == seq.num_tokens:
                 sample_rows.append(cu_seqlens_q[-1] - 1)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        block_tables = [seq.block_table + [0] * (width - len(seq.block_table))
-                        for seq in batch.seqs]
         context_lens = [seq.num_computed_tokens + n
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping), block_tables=self._tensor(block_tables),
+            slot_mapping=self._tensor(slot_mapping),
+            block_tables=self._padded([seq.block_table for seq in batch.seqs]),
             context_lens=self._tensor(context_lens), cu_seqlens_q=self._tensor(cu_seqlens_q),
             num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
-        if self.ops.cascade:
-            metadata.shared_prefix = self._shared_prefix(batch.seqs[:batch.num_decodes])
+        if self.ops.cascade and batch.num_decodes:
+            metadata.cascade = self._cascade_layout(batch.seqs[:batch.num_decodes])
         return (self._tensor(input_ids), self._tensor(positions), metadata,
                 self._tensor(sample_rows))
 
-    def _shared_prefix(self, decodes: list[Sequence]) -> SharedPrefix | None:
-        """The decodes grouped by request, each group with the full blocks all its members
-        share before their last token (None when no two decodes share a block)."""
+    def _cascade_layout(self, decodes: list[Sequence]) -> CascadeLayout:
+        """The decodes grouped by request for cascade attention.
+
+        A group shares the full blocks that all its members hold before their last token;
+        decodes that share nothing with another form the last group, with an empty shared
+        run. Without any sharing, only each decode's own run.
+        """
         by_request: dict[str, list[int]] = {}
         for d, seq in enumerate(decodes):
             by_request.setdefault(seq.request_id, []).append(d)
-        groups = [(members, num_shared) for members in by_request.values() if len(members) > 1
-                  if (num_shared := self._num_shared_blocks([decodes[d] for d in members]))]
-        if not groups:
-            return None
-        width = max(len(members) for members, _ in groups)
-        prefix_width = max(num_shared for _, num_shared in groups)
-        member_slots = [width * len(groups)] * len(decodes)
+        groups: list[tuple[list[int], int]] = []
+        alone: list[int] = []
+        for members in by_request.values():
+            num_shared = self._num_shared_blocks([decodes[d] for d in members])
+            if num_shared:
+                groups.append((members, num_shared))
+            else:
+                alone += members
         skipped = [0] * len(decodes)
-        members_table, prefix_tables = [], []
-        for g, (members, num_shared) in enumerate(groups):
-            members_table.append(members + [len(decodes)] * (width - len(members)))
-            shared = decodes[members[0]].block_table[:num_shared]
-            prefix_tables.append(shared + [0] * (prefix_width - num_shared))
-            for slot, d in enumerate(members):
-                member_slots[d] = g * width + slot
+        for members, num_shared in groups:
+            for d in members:
                 skipped[d] = num_shared
-        suffixes = [seq.block_table[skip:] for seq, skip in zip(decodes, skipped)]
-        suffix_width = max(len(suffix) for suffix in suffixes)
-        return SharedPrefix(
-            block_tables=self._tensor(prefix_tables),
-            lens=self._tensor([n * self.block_size for _, n in groups]),
-            members=self._tensor(members_table), member_slots=self._tensor(member_slots),
-            suffix_block_tables=self._tensor([suffix + [0] * (suffix_width - len(suffix))
-                                              for suffix in suffixes]),
-            suffix_lens=self._tensor([seq.num_tokens - skip * self.block_size
-                                      for seq, skip in zip(decodes, skipped)]))
+        own = block_runs(
+            self._padded([seq.block_table[n:] for seq, n in zip(decodes, skipped)]),
+            self._tensor([seq.num_tokens - n * self.block_size
+                          for seq, n in zip(decodes, skipped)]), self.block_size)
+        if not groups:
+            return CascadeLayout(own)
+        if alone:
+            groups.append((alone, 0))
+        width = max(len(members) for members, _ in groups)
+        member_slots = [0] * len(decodes)
+        for g, (members, _) in enumerate(groups):
+            for i, d in enumerate(members):
+                member_slots[d] = g * width + i
+        shared = block_runs(
+            self._padded([decodes[members[0]].block_table[:n] for members, n in groups]),
+            self._tensor([n * self.block_size for _, n in groups]), self.block_size)
+        return CascadeLayout(
+            own, shared,
+            self._tensor([members + members[:1] * (width - len(members))
+                          for members, _ in groups]),
+            self._tensor(member_slots))
 
     def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
         """How many leading blocks ``seqs`` all share that lie wholly before each one's last
         token (the token this step writes)."""
         first = seqs[0].block_table
+        if len(seqs) == 1:
+            return 0
         num_shared = min((seq.num_tokens - 1) // self.block_size for seq in seqs)
         for seq in seqs[1:]:
             table = seq.block_table
@@ -240,6 +251,11 @@ class ModelRunner:
                 shared += 1
             num_shared = shared
         return num_shared
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """``rows`` as one tensor, each padded with 0 to the longest."""
+        width = max(map(len, rows))
+        return self._tensor([row + [0] * (width - len(row)) for row in rows])
 
     def _tensor(self, values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import TORCH_OPS, AttentionMetadata, SharedPrefix, pool_layout
+from tandem.kernels import TORCH_OPS, AttentionMetadata, CascadeLayout, block_runs, pool_layout
 
 from .kernel_checks import BACKENDS, TOLERANCE, relative_error
 
@@ -89,7 +89,7 @@ def test_mixed_decode_and_prefill_step_matches_float64(backend, dtype, num_kv_he
 
 def cascade_batch(dtype: torch.dtype) -> tuple:
     """Seven decodes: four sharing three blocks, two sharing one, one alone; as a plain
-    batch and with the ``SharedPrefix`` that groups them."""
+    batch and with the ``CascadeLayout`` that groups them."""
     generator = torch.Generator().manual_seed(3)
     num_kv_heads, group = 2, 3
     cache_shape = (40, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
@@ -99,31 +99,33 @@ def cascade_batch(dtype: torch.dtype) -> tuple:
     tables = [shared_a + [3], shared_a + [4, 5], shared_a + [6], shared_a + [8],
               shared_b + [12], shared_b + [13, 14], [20, 21]]
     context_lens = [49, 70, 64, 60, 17, 40, 20]
-    width = max(map(len, tables))
     metadata = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.long),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.empty(0, dtype=torch.long), block_tables=padded(tables),
         context_lens=torch.tensor(context_lens), cu_seqlens_q=torch.arange(8),
         num_decodes=7)
     skipped = [3, 3, 3, 3, 1, 1, 0]
-    suffixes = [t[n:] for t, n in zip(tables, skipped)]
-    suffix_width = max(map(len, suffixes))
-    prefix = SharedPrefix(
-        block_tables=torch.tensor([shared_a, shared_b + [0, 0]]),
-        lens=torch.tensor([3 * BLOCK_SIZE, BLOCK_SIZE]),
-        members=torch.tensor([[0, 1, 2, 3], [4, 5, 7, 7]]),
-        member_slots=torch.tensor([0, 1, 2, 3, 4, 5, 8]),
-        suffix_block_tables=torch.tensor([t + [0] * (suffix_width - len(t)) for t in suffixes]),
-        suffix_lens=torch.tensor([c - n * BLOCK_SIZE for c, n in zip(context_lens, skipped)]))
+    layout = CascadeLayout(
+        own=block_runs(padded([t[n:] for t, n in zip(tables, skipped)]),
+                       torch.tensor([c - n * BLOCK_SIZE for c, n in zip(context_lens, skipped)]),
+                       BLOCK_SIZE),
+        shared=block_runs(padded([shared_a, shared_b, []]),
+                          torch.tensor([3 * BLOCK_SIZE, BLOCK_SIZE, 0]), BLOCK_SIZE),
+        members=torch.tensor([[0, 1, 2, 3], [4, 5, 4, 4], [6, 6, 6, 6]]),
+        member_slots=torch.tensor([0, 1, 2, 3, 4, 5, 8]))
     query = torch.randn(7, num_kv_heads * group, HEAD_DIM, generator=generator).to(dtype)
-    return query, k_cache, v_cache, metadata, prefix
+    return query, k_cache, v_cache, metadata, layout
+
+
+def padded(rows: list[list[int]]) -> torch.Tensor:
+    width = max(map(len, rows))
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows])
 
 
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
 def test_cascade_over_shared_blocks_matches_float64(dtype):
-    query, k_cache, v_cache, metadata, prefix = cascade_batch(dtype)
+    query, k_cache, v_cache, metadata, layout = cascade_batch(dtype)
     reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
-    metadata.shared_prefix = prefix
+    metadata.cascade = layout
     out = TORCH_OPS.paged_attention(query, k_cache, v_cache, metadata, 0.125)
     assert out.dtype == dtype
     assert relative_error(out, reference) < TOLERANCE[dtype]

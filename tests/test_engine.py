@@ -166,3 +166,21 @@ def test_stats_report_the_peak_kv_use_of_the_last_busy_period(llama_dir):
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_used_peak"] == 1 + 3 * 2
     llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.stats()["kv_blocks_used_peak"] == 1
+
+
+@pytest.mark.parametrize("tune", [True, False])
+def test_cpu_engine_tunes_malloc_unless_told_not_to(llama_dir, monkeypatch, tune):
+    calls = []
+    monkeypatch.setattr("tandem.rollout.engine.keep_freed_memory", lambda: calls.append(1))
+    LLMEngine(EngineConfig(model=str(llama_dir), device="cpu", tune_cpu_allocator=tune))
+    assert calls == ([1] if tune else [])
+
+
+def test_glibc_accepts_the_malloc_settings():
+    import platform
+
+    from tandem.rollout.cpu_allocator import keep_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert keep_freed_memory()

@@ -108,23 +108,28 @@ def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeyp
     seen = []
 
     def spy(decodes):
-        prefix = build(decodes)
-        seen.append(([seq.block_table[:] for seq in decodes], prefix))
-        return prefix
+        layout = build(decodes)
+        seen.append(([seq.block_table[:] for seq in decodes], layout))
+        return layout
 
-    build = runner._shared_prefix
-    monkeypatch.setattr(runner, "_shared_prefix", spy)
+    build = runner._cascade_layout
+    monkeypatch.setattr(runner, "_cascade_layout", spy)
     engine.add_request("group", prompt_of(40), SamplingParams(n=4, max_tokens=30, seed=1))
     engine.add_request("alone", prompt_of(40, 1), SamplingParams(max_tokens=30, seed=1))
     while engine.has_unfinished_requests():
         engine.step()
-    tables, prefix = next((t, p) for t, p in seen if p is not None)
-    assert prefix.lens.tolist() == [32] and prefix.members.shape == (1, 4)
-    members = prefix.members[0].tolist()
-    assert prefix.member_slots.tolist() == [
-        members.index(d) if d in members else 4 for d in range(len(tables))]
+    tables, layout = next((t, c) for t, c in seen if c.shared is not None and len(t) == 5)
+    members = layout.members[0].tolist()
+    alone = next(d for d in range(5) if d not in members)
+    assert sorted(members) == [d for d in range(5) if d != alone]
+    assert layout.members[1].tolist() == [alone] * 4
+    assert layout.member_slots.tolist() == [members.index(d) if d != alone else 4
+                                            for d in range(5)]
+    runs = layout.shared.block_ids.view(2, -1).tolist()
+    masked = layout.shared.bias < 0
+    assert masked.sum(1).tolist() == [0, 32] and layout.shared.bias.shape == (2, 32)
+    own_runs = layout.own.block_ids.view(5, -1).tolist()
     for d, table in enumerate(tables):
-        shared = prefix.block_tables[0].tolist() if d in members else []
-        suffix = prefix.suffix_block_tables[d].tolist()[:len(table) - len(shared)]
-        assert shared + suffix == table
+        shared = runs[0] if d != alone else []
+        assert shared + own_runs[d][:len(table) - len(shared)] == table
     assert engine.stats()["kv_blocks_used"] == 0
