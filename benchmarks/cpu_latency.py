@@ -9,10 +9,14 @@ Each engine runs one untimed warm-up call, then ``--repeats`` timed calls (the m
 kept); ms/token is the call's time (prefill included) over the 128 tokens. Both engines run
 in this process, one after the other.
 
-Decoding one sequence is memory-bound: each token reads every weight once. The "memory
-floor" row is the model's parameter bytes (tied embeddings counted once) over the memory
-read bandwidth measured in the same run: the best of several ``t.sum()`` over a 512 MiB
-float32 tensor. "of floor" is the floor's ms/token over the engine's. "others' CPU" is the
+Decoding one sequence is memory-bound: each token reads every weight once. Two floors are
+measured in the same run. "linear floor": the model's linear layers alone (q, k, v, o, gate,
+up, down of every layer and the LM head, ``torch.nn.functional.linear`` on random inputs)
+for the same steps, one prefill over the prompt, then one row per token: what the matmul
+library can do here. "memory floor": the model's parameter bytes (tied embeddings counted
+once) over the memory read bandwidth, the best of several ``t.sum()`` over a 512 MiB float32
+tensor: what the memory could do. "of floor" is the linear floor's ms/token over the
+engine's. "others' CPU" is the
 share of the machine's CPU time other processes used during the timed call; trust only rows
 where it is near 0%.
 
@@ -33,6 +37,7 @@ from common import (
     NUM_THREADS,
     Run,
     chat_prompt_ids,
+    floor_seconds,
     load_hf_model,
     measure,
     model_folder,
@@ -108,8 +113,9 @@ def ms_per_token(run: Run) -> float:
     return 1000 * run.seconds / run.tokens
 
 
-def table(runs: dict[str, Run], floor_ms: float, dtype: str) -> list[tuple[str, ...]]:
-    """The printed table: one line per engine, then the memory floor."""
+def table(runs: dict[str, Run], floor_ms: float, memory_ms: float,
+          dtype: str) -> list[tuple[str, ...]]:
+    """The printed table: one line per engine, then the two floors."""
     reference = ms_per_token(runs["generate"])
     lines = [("engine", "dtype", "tokens", "seconds", "ms/token", "speedup vs generate",
               "of floor", "others' CPU")]
@@ -117,8 +123,8 @@ def table(runs: dict[str, Run], floor_ms: float, dtype: str) -> list[tuple[str, 
         ms = ms_per_token(run)
         lines.append((engine, dtype, str(run.tokens), f"{run.seconds:.2f}", f"{ms:.1f}",
                       f"{reference / ms:.2f}x", f"{floor_ms / ms:.0%}", f"{run.others_cpu:.0%}"))
-    lines.append(("memory floor", dtype, "", "", f"{floor_ms:.1f}", f"{reference / floor_ms:.2f}x",
-                  "", ""))
+    for name, ms in (("linear floor", floor_ms), ("memory floor", memory_ms)):
+        lines.append((name, dtype, "", "", f"{ms:.1f}", f"{reference / ms:.2f}x", "", ""))
     return lines
 
 
@@ -133,11 +139,13 @@ def main() -> None:
     model = load_hf_model(folder, args.dtype)
     runs["generate"] = bench_generate(model, prompt_ids, args.repeats)
     weight_bytes = parameter_bytes(model)
-    floor_ms = 1000 * weight_bytes / bandwidth
+    memory_ms = 1000 * weight_bytes / bandwidth
+    steps = [(len(prompt_ids), 1)] + [(1, 1)] * (NEW_TOKENS - 1)
+    floor_ms = 1000 * floor_seconds(model, steps)[0] / NEW_TOKENS
     print(f"cpu-latency: 1 prompt of {len(prompt_ids)} tokens, greedy, {NEW_TOKENS} new tokens, "
           f"threads={NUM_THREADS}, repeats={args.repeats}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, parameters {weight_bytes / 2**20:.0f} MiB")
-    print_table(table(runs, floor_ms, args.dtype))
+    print_table(table(runs, floor_ms, memory_ms, args.dtype))
 
 
 if __name__ == "__main__":

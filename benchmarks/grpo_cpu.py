@@ -31,7 +31,11 @@ still running after 10 minutes, even with ``--max-tokens 8``. ``--only generate_
 --workload heavy`` still runs it. ``generate`` on ``heavy`` (256 rows at once) takes about 5
 minutes and 5 GiB per call there, 11 minutes for its process.
 
-Tandem runs with its defaults (``max_num_seqs=256``, on CPU a 1 GiB KV pool). Its prefix
+Tandem runs with its defaults (``max_num_seqs=256``, on CPU a 1 GiB KV pool), except on
+``heavy``: its 16 groups hold about 2,500 blocks of 720 KiB at the end (200 shared prompt
+tokens and 16 x 128 own tokens per group), more than 1 GiB, so there Tandem gets a 2 GiB
+pool (``kv_cache_memory_bytes``), as a user sizes the pool for a workload; with 1 GiB it
+preempts and recomputes sequences, a different measurement. Its prefix
 cache is reset before every call, so the timed call prefills the prompts again instead of
 reusing the warm-up call's blocks, as a GRPO step with fresh prompts would.
 
@@ -82,12 +86,12 @@ from common import (
     NUM_THREADS,
     Run,
     chat_prompt_ids,
+    floor_seconds,
     load_hf_model,
     measure,
     model_folder,
     print_table,
     setup_torch,
-    timed,
     tokens_until_eos,
 )
 from transformers import (
@@ -123,6 +127,7 @@ HEAVY_PROMPTS = 16
 HEAVY_PROMPT_TOKENS = 200
 HEAVY_WORD_STEP = 7
 WORKLOADS = {"grpo": (8, 64), "heavy": (16, 128)}  # name: (n, max_tokens)
+KV_CACHE_BYTES = {"heavy": 2 << 30}  # Tandem's KV pool where its default (1 GiB) is short
 ENGINES = ("tandem", "generate", "generate_batch")
 ENGINES_BY_DTYPE = {"float32": ENGINES, "bfloat16": ("tandem", "generate")}
 SKIPPED = {"heavy": ("generate_batch",)}  # workload: engines the full run leaves out (n/a)
@@ -130,9 +135,6 @@ FLOOR = "linear floor"
 ROW_ORDER = (*ENGINES, FLOOR)
 PAGE_SIZE = 16
 MAX_BATCH_TOKENS = 8192
-PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
-               ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
-               ("mlp", "down_proj"))
 
 
 @dataclass
@@ -220,7 +222,7 @@ def build_workload(folder: Path, name: str, max_tokens: int | None) -> Workload:
 
 def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
     """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call."""
-    llm = LLM(str(folder), dtype=dtype)
+    llm = LLM(str(folder), dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES.get(work.name))
     params = SamplingParams(n=work.n, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
 
     def call() -> list[int]:
@@ -318,41 +320,6 @@ def floor_steps(work: Workload, lengths: list[int]) -> list[tuple[int, int]]:
     return [prefill, *((batch, batch) for batch in batches)]
 
 
-def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every layer's q, k, v, o, gate, up and down weights in order, then the LM head's."""
-    weights = [getattr(getattr(layer, block), name).weight
-               for layer in model.model.layers for block, name in PROJECTIONS]
-    return [*weights, model.lm_head.weight]
-
-
-def time_step(weights: list[torch.Tensor], rows: int, head_rows: int) -> float:
-    """Seconds for the linear calls of one step: ``rows`` rows, ``head_rows`` in the LM head."""
-    dtype = weights[0].dtype
-    inputs = {width: torch.randn(rows, width, dtype=dtype)
-              for width in {weight.shape[1] for weight in weights}}
-    head_input = inputs[weights[-1].shape[1]][:head_rows]
-    start = time.perf_counter()
-    for weight in weights[:-1]:
-        torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-    torch.nn.functional.linear(head_input, weights[-1])
-    return time.perf_counter() - start
-
-
-def steps_seconds(weights: list[torch.Tensor], steps: list[tuple[int, int]]) -> float:
-    """Summed seconds of the linear calls of every step in ``steps``."""
-    return sum(time_step(weights, rows, head_rows) for rows, head_rows in steps)
-
-
-def linear_floor(folder: Path, dtype: str, steps: list[tuple[int, int]]) -> tuple[float, float]:
-    """Seconds the linear layers take over ``steps`` (after one untimed pass), and the other
-    processes' CPU share meanwhile."""
-    weights = linear_weights(load_hf_model(folder, dtype))
-    with torch.inference_mode():
-        steps_seconds(weights, steps)
-        seconds, _, others_cpu = timed(lambda: steps_seconds(weights, steps))
-    return seconds, others_cpu
-
-
 def peak_rss_mib() -> float:
     """This process's peak resident set size in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -364,7 +331,7 @@ def run_engine(engine: str, dtype: str, work: Workload, repeats: int) -> list[Ro
     if engine == "tandem":
         run = bench_tandem(folder, dtype, work, repeats)
         tandem = Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib())
-        floor = linear_floor(folder, dtype, floor_steps(work, run.lengths))
+        floor = floor_seconds(load_hf_model(folder, dtype), floor_steps(work, run.lengths))
         return [tandem, Row(FLOOR, dtype, run.tokens, *floor, None)]
     model = load_hf_model(folder, dtype)
     bench = bench_generate if engine == "generate" else bench_generate_batch
