@@ -14,7 +14,7 @@ head_dim]`` layout its matmuls take, with no transpose copy.
 
 Decodes that share leading blocks (a GRPO group's prompt) can be attended as a cascade
 (``CascadeLayout``): the shared blocks once per group, with all the members' queries in one
-matmul, then each decode's own blocks, the two parts merged by their log-sum-exp.
+matmul, then each decode's own blocks, one softmax over both parts.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ def pool_layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...
 
 
 MASKED = float("-inf")
-EMPTY_LSE = -1e30  # the log-sum-exp of a run with nothing to attend: merges with weight 0
 
 
 @dataclass(slots=True)
@@ -157,53 +156,54 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _scores(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             runs: BlockRuns) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` ``[kv_heads, runs, rows, head_dim]`` (already scaled) to its
-    run's unmasked tokens.
-
-    Returns the output ``[kv_heads, runs, rows, head_dim]`` and its log-sum-exp ``[kv_heads,
-    runs, rows, 1]``; an empty run gives output 0 and log-sum-exp ``EMPTY_LSE``.
-    """
+    """Masked scores of ``query`` ``[kv_heads, runs, rows, head_dim]`` (already scaled)
+    against its run's tokens, ``[kv_heads, runs, rows, tokens]``, and the run's values
+    ``[kv_heads, runs, tokens, head_dim]``."""
     num_runs = runs.bias.shape[0]
     keys = _gather(k_cache, runs.block_ids, num_runs)
-    values = _gather(v_cache, runs.block_ids, num_runs)
     scores = torch.matmul(query, keys.transpose(-1, -2)).add_(runs.bias[:, None, :])
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True).clamp_(min=EMPTY_LSE)
-    return torch.matmul(scores.sub_(lse).exp_(), values), lse
+    return scores, _gather(v_cache, runs.block_ids, num_runs)
 
 
 def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       metadata: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query token per decode, all decodes batched; a cascade when ``metadata.cascade``
-    groups them."""
+    groups them.
+
+    In the cascade, each group's scores against its shared blocks are computed once, with
+    all its members' queries in one matmul, then copied out per decode beside the decode's
+    scores against its own blocks; one softmax over both normalises them together.
+    """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * scale
     layout = metadata.cascade or CascadeLayout(block_runs(
         metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
         k_cache.shape[1]))
-    out, own_lse = _attend(heads, k_cache, v_cache, layout.own)
-    if layout.shared is not None:
-        shared, shared_lse = _shared_attention(heads, k_cache, v_cache, layout)
-        out = torch.lerp(shared, out, torch.sigmoid(own_lse - shared_lse))
+    scores, values = _scores(heads, k_cache, v_cache, layout.own)
+    if layout.shared is None:
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)
+    else:
+        rows = heads.shape[2]
+        num_groups, width = layout.members.shape
+        members = layout.members.flatten()
+
+        def per_decode(grouped: torch.Tensor) -> torch.Tensor:
+            return grouped.reshape(num_kv_heads, num_groups * width, rows, -1).index_select(
+                1, layout.member_slots)
+
+        grouped_query = heads.index_select(1, members).view(num_kv_heads, num_groups, -1,
+                                                            head_dim)
+        shared_scores, shared_values = _scores(grouped_query, k_cache, v_cache, layout.shared)
+        num_shared = shared_scores.shape[-1]
+        probs = torch.softmax(torch.cat([per_decode(shared_scores), scores], dim=-1), dim=-1)
+        shared_probs = probs[..., :num_shared].index_select(1, members)
+        shared_out = torch.matmul(shared_probs.view(num_kv_heads, num_groups, -1, num_shared),
+                                  shared_values)
+        out = torch.matmul(probs[..., num_shared:], values).add_(per_decode(shared_out))
     return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim).to(query.dtype)
-
-
-def _shared_attention(heads: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      layout: CascadeLayout) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each decode's attention to its group's shared blocks, computed once per group.
-
-    ``heads`` is ``[kv_heads, decodes, rows, head_dim]``; so are the output and (with one
-    column) the log-sum-exp.
-    """
-    num_kv_heads, _, rows, head_dim = heads.shape
-    num_groups, width = layout.members.shape
-    query = heads.index_select(1, layout.members.flatten())
-    out, lse = _attend(query.view(num_kv_heads, num_groups, width * rows, head_dim),
-                       k_cache, v_cache, layout.shared)
-    return tuple(x.view(num_kv_heads, num_groups * width, rows, -1)
-                 .index_select(1, layout.member_slots) for x in (out, lse))
 
 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
