@@ -36,8 +36,10 @@ class KernelOps:
     silu_and_mul: Callable[..., torch.Tensor]
 
 
-TORCH_OPS = KernelOps("torch", True, attention.store_kv, attention.paged_attention, layers.rms_norm,
-                      layers.rotary_embedding, layers.silu_and_mul)
+TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,
+                      paged_attention=attention.paged_attention, rms_norm=layers.rms_norm,
+                      rotary_embedding=layers.rotary_embedding,
+                      silu_and_mul=layers.silu_and_mul)
 
 
 def select_kernels(backend: str, device: torch.device) -> KernelOps:
@@ -63,6 +65,8 @@ def _triton_ops() -> KernelOps:
     # Imported here so that the CPU path never imports Triton.
     from . import triton_attention, triton_layers
 
-    return KernelOps("triton", False, triton_attention.store_kv, triton_attention.paged_attention,
-                     triton_layers.rms_norm, triton_layers.rotary_embedding,
-                     triton_layers.silu_and_mul)
+    return KernelOps("triton", cascade=False, store_kv=triton_attention.store_kv,
+                     paged_attention=triton_attention.paged_attention,
+                     rms_norm=triton_layers.rms_norm,
+                     rotary_embedding=triton_layers.rotary_embedding,
+                     silu_and_mul=triton_layers.silu_and_mul)
