@@ -240,9 +240,9 @@ class ModelRunner:
     def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
         """How many leading blocks ``seqs`` all share that lie wholly before each one's last
         token (the token this step writes)."""
-        first = seqs[0].block_table
         if len(seqs) == 1:
             return 0
+        first = seqs[0].block_table
         num_shared = min((seq.num_tokens - 1) // self.block_size for seq in seqs)
         for seq in seqs[1:]:
             table = seq.block_table
