@@ -77,6 +77,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,8 +221,9 @@ def build_workload(folder: Path, name: str, max_tokens: int | None) -> Workload:
                     tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
-def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
-    """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call."""
+def tandem_call(folder: Path, dtype: str, work: Workload) -> tuple[LLM, Callable[[], list[int]]]:
+    """Tandem's engine for the workload and its generation call, which resets the prefix
+    cache first and returns each sequence's generated tokens through EOS."""
     llm = LLM(str(folder), dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES.get(work.name))
     params = SamplingParams(n=work.n, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
 
@@ -231,7 +233,12 @@ def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
         return [tokens_until_eos(completion.token_ids, work.eos_token_id)
                 for output in outputs for completion in output.outputs]
 
-    return measure(call, repeats)
+    return llm, call
+
+
+def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
+    """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call."""
+    return measure(tandem_call(folder, dtype, work)[1], repeats)
 
 
 def left_padded_batch(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:

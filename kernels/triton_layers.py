@@ -16,12 +16,8 @@ ELEMENTWISE_BLOCK = 1024
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Normalise ``x`` over its last dimension (in float32) and scale by ``weight``.
-
-    With ``residual``, first adds it to ``x`` (in the model dtype) and returns
-    ``(normalised sum, sum)``, the sum being the next layer's residual; else returns the
-    normalised ``x``.
-    """
+    """``layers.rms_norm`` (same arguments, results and rounding) as one Triton program per
+    row."""
     x = x.contiguous()
     out = torch.empty_like(x)
     summed = out if residual is None else torch.empty_like(x)
