@@ -14,8 +14,8 @@ from .attention import (
                         pool_layout,
                         store_kv,
 )
-from .dispatch import BACKENDS, TORCH_OPS, KernelOps, select_kernels
+from .dispatch import BACKENDS, TORCH_OPS, KernelOps, check_backend, select_kernels
 
 __all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "BlockRuns", "CascadeLayout",
-           "KernelOps", "block_runs", "paged_attention", "pool_layout", "select_kernels",
-           "store_kv"]
+           "KernelOps", "block_runs", "check_backend", "paged_attention", "pool_layout",
+           "select_kernels", "store_kv"]

@@ -42,6 +42,13 @@ TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,
                       silu_and_mul=layers.silu_and_mul)
 
 
+def check_backend(backend: str) -> None:
+    """Raise ValueError, naming the valid ones, unless ``backend`` is one of ``BACKENDS``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend={backend!r} is invalid: use one of "
+                         f"{', '.join(map(repr, BACKENDS))}.")
+
+
 def select_kernels(backend: str, device: torch.device) -> KernelOps:
     """The kernels for ``backend`` on ``device``: ``"auto"`` is Triton on CUDA, else torch.
 
@@ -49,9 +56,7 @@ def select_kernels(backend: str, device: torch.device) -> KernelOps:
         ValueError: for an unknown backend, or ``"triton"`` on a CPU without the Triton
             interpreter.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"attention_backend={backend!r} is invalid: use one of "
-                         f"{', '.join(map(repr, BACKENDS))}.")
+    check_backend(backend)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

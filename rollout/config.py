@@ -6,12 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kernels import BACKENDS
+from tandem.kernels import check_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "half": torch.float16, "float": torch.float32}
-CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -70,9 +69,7 @@ class EngineConfig:
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
                              f"{', '.join(DTYPES)}.")
-        if self.attention_backend not in BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is invalid: use one "
-                             f"of {', '.join(map(repr, BACKENDS))}.")
+        check_backend(self.attention_backend)
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Collection, Iterable
+from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import torch
@@ -16,13 +17,14 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from tandem.sync import WeightUpdate
 
-from .block_manager import BlockManager, num_blocks_for
-from .config import CPU_KV_CACHE_BYTES, EngineConfig
+from .block_manager import BlockManager
+from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .default_model import resolve_model
 from .errors import EngineAsleepError
-from .memory import MemoryPlan, activation_bytes, graph_pool_bytes, plan_memory
-from .model_runner import ModelRunner, kv_block_bytes
+from .input_processor import InputProcessor, ProcessedPrompt, Prompt
+from .memory import size_kv_cache
+from .model_runner import ModelRunner
 from .models import architecture_of
 from .models.llama import LoraLinear
 from .output_processor import OutputProcessor
@@ -51,7 +53,6 @@ class LLMEngine:
         self.tokenizer = _load_tokenizer(model_dir)
         self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = _max_model_len(config, hf_config)
-        self.memory_plan: MemoryPlan | None = None  # set when sized from a device share
         device = config.torch_device
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         if device.type == "cpu" and config.tune_cpu_allocator:
@@ -60,9 +61,14 @@ class LLMEngine:
                                   config.block_size, self.eos_token_ids, config.seed,
                                   config.attention_backend, config.enforce_eager,
                                   config.max_num_seqs)
-        self.num_kv_blocks = self._num_kv_blocks(hf_config, dtype)
+        kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
+                                self.runner.weight_bytes(), self.runner.graph_sizes)
+        self.num_kv_blocks = kv_size.num_blocks
+        self.memory_plan = kv_size.plan
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.runner.capture_graphs()
+        self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size,
+                                              self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
                                                 self.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -82,89 +88,74 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens)
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt given as text or as ids.
-
-        Text is encoded with the tokenizer's special tokens (such as BOS), as vLLM does.
+    def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
+        """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
 
         Raises:
-            ValueError: for text without a tokenizer, or ids outside the vocabulary.
+            ValueError: for a prompt the engine cannot take (naming the fix).
         """
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer: pass prompts as token ids.")
-            return self.tokenizer.encode(prompt)
-        vocab_size = self.runner.model.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}).")
-        return list(prompt)
+        return self.input_processor.process(prompt)
 
     def apply_chat_template(self, conversation: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> list[int]:
         """The token ids of a conversation under the model's chat template.
 
-        The template supplies the special tokens (nothing is added on top).
-
         Raises:
-            ValueError: when the model has no tokenizer or chat template, or the template
-                refuses the messages.
+            ValueError: when the model has no chat template or it refuses the messages.
         """
-        tokenizer = self.tokenizer
-        if tokenizer is None or not tokenizer.chat_template:
-            raise ValueError("this model has no chat template: give a prompt instead.")
-        try:
-            return list(tokenizer.apply_chat_template(
-                conversation, tokenize=True, return_dict=False,
-                add_generation_prompt=add_generation_prompt))
-        except Exception as exc:  # jinja's errors, and a template's own raise_exception
-            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        return self.input_processor.apply_chat_template(conversation, add_generation_prompt)
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError when a prompt is empty or too long for the model and the KV pool.
-
-        The pool always holds one max_model_len sequence (checked at start), so a prompt
-        that leaves room under max_model_len also fits the pool.
-        """
-        num_tokens = len(prompt_token_ids)
-        if num_tokens == 0:
-            raise ValueError("the prompt is empty: give at least one token.")
-        if num_tokens >= self.max_model_len:
-            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len="
-                             f"{self.max_model_len} (which the KV pool is sized to hold) leaves "
-                             "no room for a new token: shorten the prompt, or raise "
-                             "max_model_len and the KV budget (num_kv_blocks or "
-                             "kv_cache_memory_bytes).")
-
-    def add_request(self, request_id: str, prompt: str | list[int],
+    def add_request(self, request_id: str, prompt: Prompt | ProcessedPrompt,
                     sampling_params: SamplingParams) -> None:
-        """Validate a prompt and queue it; its ``n`` sequences fork once it is prefilled.
+        """Queue a prompt (text, ids, or processed); its ``n`` sequences fork once it is
+        prefilled.
 
         Raises:
             ValueError: for a duplicate request id, n above max_num_seqs, or a prompt
-                ``check_prompt`` refuses; nothing is queued then.
+                ``process_prompt`` refuses; nothing is queued then.
             EngineAsleepError: while the engine sleeps.
+        """
+        self.add_requests([request_id], [prompt], [sampling_params])
+
+    def add_requests(self, request_ids: Seq[str], prompts: Seq[Prompt | ProcessedPrompt],
+                     params: Seq[SamplingParams]) -> None:
+        """Queue several requests, all or none: every one is checked before any is queued.
+
+        Raises:
+            ValueError, EngineAsleepError: as ``add_request``, for any of them.
         """
         if self.sleep_level:
             raise EngineAsleepError("the engine is asleep (its KV pool is freed): call "
                                     "wake_up() before generating.")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use.")
-        if sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={sampling_params.n} exceeds max_num_seqs="
-                             f"{self.config.max_num_seqs} (a group runs in one batch): lower n "
-                             "or raise max_num_seqs.")
-        prompt_token_ids = self.tokenize(prompt)
-        self.check_prompt(prompt_token_ids)
-        request = Request(request_id, prompt if isinstance(prompt, str) else None,
-                          prompt_token_ids, sampling_params)
-        request.seqs = [self._new_sequence(request, index) for index in range(sampling_params.n)]
+        for p in params:
+            self._check_group_size(p)
+        self._check_request_ids(request_ids)
+        processed = [self.process_prompt(prompt) for prompt in prompts]
+        for request_id, prompt, p in zip(request_ids, processed, params):
+            self._queue(Request(request_id, prompt.prompt, prompt.prompt_token_ids, p))
+
+    def _check_group_size(self, params: SamplingParams) -> None:
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs} "
+                             "(a group runs in one batch): lower n or raise max_num_seqs.")
+
+    def _check_request_ids(self, request_ids: Seq[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use.")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("request ids repeat within one call: give each its own id.")
+
+    def _queue(self, request: Request) -> None:
+        request.seqs = [self._new_sequence(request, index)
+                        for index in range(request.sampling_params.n)]
         first, *children = request.seqs
         for child in children:
             child.status = SequenceStatus.FORK_PENDING
         first.pending_children = children
         if not self.requests:
             self.kv_blocks_used_peak = 0
-        self.requests[request_id] = request
+        self.requests[request.request_id] = request
         self.scheduler.add(first)
 
     def _new_sequence(self, request: Request, index: int) -> Sequence:
@@ -224,6 +215,11 @@ class LLMEngine:
                                                    self.weight_version)
         output.finished = False
         return output
+
+    def num_output_tokens(self, request_id: str) -> int | None:
+        """Tokens generated so far by all sequences of a request (None: unknown or finished)."""
+        request = self.requests.get(request_id)
+        return None if request is None else request.num_output_tokens
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued or running."""
@@ -398,35 +394,6 @@ class LLMEngine:
             return []
         del self.requests[request_id]
         return [self.output_processor.make_output(request, self.weight_version)]
-
-    def _num_kv_blocks(self, hf_config: PretrainedConfig, dtype: torch.dtype) -> int:
-        config = self.config
-        block_bytes = kv_block_bytes(hf_config, config.block_size, dtype)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        elif config.kv_cache_memory_bytes is not None:
-            num_blocks = config.kv_cache_memory_bytes // block_bytes
-        elif config.torch_device.type == "cpu":
-            num_blocks = CPU_KV_CACHE_BYTES // block_bytes
-        else:
-            num_blocks = self._device_kv_bytes(hf_config) // block_bytes
-        needed = num_blocks_for(self.max_model_len, config.block_size)
-        if num_blocks < needed:
-            raise ValueError(
-                f"the KV pool ({num_blocks} blocks of {config.block_size} tokens, "
-                f"{block_bytes} bytes each) cannot hold one sequence of max_model_len="
-                f"{self.max_model_len} tokens ({needed} blocks): raise num_kv_blocks, "
-                "kv_cache_memory_bytes or gpu_memory_utilization, or lower max_model_len.")
-        return num_blocks
-
-    def _device_kv_bytes(self, hf_config: PretrainedConfig) -> int:
-        config = self.config
-        self.memory_plan = plan_memory(
-            torch.cuda.get_device_properties(config.torch_device).total_memory,
-            config.gpu_memory_utilization or 0.9, self.runner.weight_bytes(),
-            activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs),
-            graph_pool_bytes(hf_config, self.runner.graph_sizes))
-        return self.memory_plan.kv_cache_bytes
 
 
 def _load_tokenizer(model_dir: Path):

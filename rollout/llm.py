@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -14,40 +16,28 @@ from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .input_processor import Prompt
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-Prompt = str | list[int]
 Conversation = list[dict[str, str]]
 
 
 class LLM:
     """A rollout engine on one device, driven to completion by ``generate``.
 
-    Arguments are those of ``EngineConfig`` (vLLM's names): ``model`` is a local Hugging
-    Face folder or ``"smollm2-135m-instruct"``, the embedded default.
+    Keyword arguments are ``EngineConfig``'s fields (vLLM's names), its defaults the only
+    ones: ``model`` is a local Hugging Face folder or ``"smollm2-135m-instruct"``, the
+    embedded default.
 
     Raises:
+        TypeError: for an argument ``EngineConfig`` does not have.
         ValueError: when the configuration cannot work (see ``EngineConfig`` and
             ``LLMEngine``).
     """
 
-    def __init__(self, model: str, dtype: str | torch.dtype = "auto", device: str | None = None,
-                 block_size: int = 16, num_kv_blocks: int | None = None,
-                 kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0,
-                 attention_backend: str = "auto", enforce_eager: bool = False,
-                 tune_cpu_allocator: bool = True) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, seed=seed,
-            attention_backend=attention_backend, enforce_eager=enforce_eager,
-            tune_cpu_allocator=tune_cpu_allocator))
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **_config_fields(engine_args)))
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
@@ -67,13 +57,8 @@ class LLM:
         """
         prompt_list = as_prompt_list(prompts)
         params = params_per_prompt(sampling_params, len(prompt_list))
-        token_ids = [self.engine.tokenize(p) for p in prompt_list]
-        for ids in token_ids:
-            self.engine.check_prompt(ids)
-        request_ids = []
-        for prompt, ids, p in zip(prompt_list, token_ids, params):
-            request_ids.append(f"llm-{next(self._request_ids)}")
-            self.engine.add_request(request_ids[-1], prompt if isinstance(prompt, str) else ids, p)
+        request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_list]
+        self.engine.add_requests(request_ids, prompt_list, params)
         return self._run(request_ids, use_tqdm)
 
     def chat(self, conversations: Conversation | Seq[Conversation],
@@ -92,6 +77,21 @@ class LLM:
         prompts = [self.engine.apply_chat_template(c, add_generation_prompt)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights being served (0 until the first update)."""
+        return self.engine.weight_version
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True between ``sleep`` and the ``wake_up`` that restores everything."""
+        return self.engine.sleep_level > 0
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt plus completion) the engine takes."""
+        return self.engine.max_model_len
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""
@@ -142,6 +142,20 @@ class LLM:
                     self.engine.abort_request(request_id)
                 raise
         return [outputs[request_id] for request_id in request_ids]
+
+
+def _config_fields(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """``engine_args`` checked against ``EngineConfig``'s fields (the one list of defaults).
+
+    Raises:
+        TypeError: for an argument that is not an ``EngineConfig`` field, naming the valid ones.
+    """
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(engine_args) - names)
+    if unknown:
+        raise TypeError(f"LLM got unknown arguments {unknown}: the engine takes "
+                        f"{', '.join(sorted(names))} (see EngineConfig).")
+    return engine_args
 
 
 def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

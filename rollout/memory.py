@@ -1,4 +1,8 @@
-"""The engine's device-memory plan: what its fixed share of the device is spent on.
+"""The KV pool's size, decided in one place: from the options, or from a device share.
+
+``num_kv_blocks`` (option), ``kv_cache_memory_bytes`` (option), 1 GiB on CPU, or, on CUDA,
+what the engine's memory plan leaves. The plan: what its fixed share of the device is spent
+on.
 
 The share is ``gpu_memory_utilization`` × the device's *total* memory (vLLM's meaning), never
 what is free: a colocated trainer's memory must not shrink or grow the engine. Out of the
@@ -12,9 +16,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
 from transformers import PretrainedConfig
 
+from .block_manager import num_blocks_for
+from .config import EngineConfig
+from .models.llama import head_dim_of
+
 GRAPH_OVERHEAD_BYTES = 4 << 20
+CPU_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(slots=True)
@@ -33,11 +43,70 @@ class MemoryPlan:
         return {f"memory_{name}": value for name, value in asdict(self).items()}
 
 
+@dataclass(slots=True)
+class KVCacheSize:
+    """How many KV blocks the pool has, each how large, and the plan it came from (CUDA
+    shares only)."""
+
+    num_blocks: int
+    block_bytes: int
+    plan: MemoryPlan | None = None
+
+
+def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    per_token = 2 * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
+    return per_token * config.num_hidden_layers * block_size
+
+
+def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+                  max_model_len: int, weight_bytes: int, graph_sizes: list[int]) -> KVCacheSize:
+    """The KV pool for ``config``: set directly, 1 GiB on CPU, or what the device share leaves.
+
+    Raises:
+        ValueError: when the pool cannot hold one max_model_len sequence (naming the options
+            that fix it), or the device share leaves nothing for it (see ``plan_memory``).
+    """
+    block_bytes = kv_block_bytes(hf_config, config.block_size, dtype)
+    plan = None
+    if config.num_kv_blocks is not None:
+        num_blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+    elif config.torch_device.type == "cpu":
+        num_blocks = CPU_KV_CACHE_BYTES // block_bytes
+    else:
+        plan = plan_memory(
+            torch.cuda.get_device_properties(config.torch_device).total_memory,
+            config.gpu_memory_utilization or 0.9, weight_bytes,
+            activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs),
+            graph_pool_bytes(hf_config, graph_sizes))
+        num_blocks = plan.kv_cache_bytes // block_bytes
+    _check_holds_one_sequence(num_blocks, block_bytes, config.block_size, max_model_len)
+    return KVCacheSize(num_blocks, block_bytes, plan)
+
+
+def _check_holds_one_sequence(num_blocks: int, block_bytes: int, block_size: int,
+                              max_model_len: int) -> None:
+    needed = num_blocks_for(max_model_len, block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV pool ({num_blocks} blocks of {block_size} tokens, {block_bytes} bytes "
+            f"each) cannot hold one sequence of max_model_len={max_model_len} tokens "
+            f"({needed} blocks): raise num_kv_blocks, kv_cache_memory_bytes or "
+            "gpu_memory_utilization, or lower max_model_len.")
+
+
+def activation_bytes_per_token(hf_config: PretrainedConfig) -> int:
+    """A float32 upper estimate of one token's activations in a forward pass."""
+    return 4 * (4 * hf_config.hidden_size + 3 * hf_config.intermediate_size)
+
+
 def activation_bytes(hf_config: PretrainedConfig, max_num_batched_tokens: int,
                      max_num_seqs: int) -> int:
     """A float32 upper estimate of one step's activations plus the sampler's logits."""
-    per_token = 4 * hf_config.hidden_size + 3 * hf_config.intermediate_size
-    return 4 * (max_num_batched_tokens * per_token + 4 * max_num_seqs * hf_config.vocab_size)
+    logits = 4 * 4 * max_num_seqs * hf_config.vocab_size
+    return max_num_batched_tokens * activation_bytes_per_token(hf_config) + logits
 
 
 def graph_pool_bytes(hf_config: PretrainedConfig, batch_sizes: list[int]) -> int:
@@ -49,8 +118,8 @@ def graph_pool_bytes(hf_config: PretrainedConfig, batch_sizes: list[int]) -> int
     """
     if not batch_sizes:
         return 0
-    per_token = 4 * hf_config.hidden_size + 3 * hf_config.intermediate_size
-    return 4 * per_token * batch_sizes[-1] + GRAPH_OVERHEAD_BYTES * len(batch_sizes)
+    activations = activation_bytes_per_token(hf_config) * batch_sizes[-1]
+    return activations + GRAPH_OVERHEAD_BYTES * len(batch_sizes)
 
 
 def plan_memory(total_bytes: int, utilization: float, weight_bytes: int,

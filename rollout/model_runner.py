@@ -19,6 +19,7 @@ from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, CascadeLayout, block_runs, pool_layout, select_kernels
 
+from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
 from .models import build_model
@@ -26,12 +27,6 @@ from .models.llama import head_dim_of
 from .sampler import Sampler, SamplerOutput
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-
-
-def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
-    per_token = 2 * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
-    return per_token * config.num_hidden_layers * block_size
 
 
 class ModelRunner:
@@ -55,7 +50,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
-        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
         captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None

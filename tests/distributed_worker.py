@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.trainers.config import load_config
-from tandem.trainers.distributed import full_named_parameters, shutdown
+from tandem.trainers.data_parallel import full_named_parameters, shutdown
 from tandem.trainers.trainer import Trainer
 
 

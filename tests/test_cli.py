@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem.rollout.cli import main
+from tandem.cli import main
 
 
 def test_generate_prints_n_completions_per_prompt(llama_dir, capsys):

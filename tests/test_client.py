@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.rollout import LLM, SamplingParams, WeightUpdateError
-from tandem.rollout.client import ServerError, TandemClient
+from tandem.rollout.serving.client import ServerError, TandemClient
 from tests.test_server import API_KEY, ENGINE_OPTIONS, running_server
 from tests.test_sync_distributed import BUCKET_BYTES, answer
 from tests.test_weight_update import GREEDY, PROMPTS, fresh_completions, trainer_model

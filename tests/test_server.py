@@ -20,10 +20,10 @@ import openai
 import pytest
 import uvicorn
 
+from tandem.cli import build_parser, config_from_arguments
 from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
-from tandem.rollout.cli import build_parser, config_from_arguments
-from tandem.rollout.server import build_app
-from tandem.rollout.server_config import ServerConfig
+from tandem.rollout.serving.config import ServerConfig
+from tandem.rollout.serving.server import build_app
 
 HOST = "127.0.0.1"
 API_KEY = "test-key"
@@ -342,7 +342,7 @@ def test_tandem_serve_command_answers_on_localhost(llama_dir):
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.rollout.cli", "serve", str(llama_dir), "--port",
+        [sys.executable, "-m", "tandem.cli", "serve", str(llama_dir), "--port",
          str(port), "--num-kv-blocks", "64", "--max-model-len", "128"],
         env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)

@@ -29,17 +29,17 @@ from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
 from .config import TrainConfig, to_dict
-from .distributed import (
+from .data_parallel import (
     all_reduce_metrics,
     full_named_parameters,
     init_distributed,
     set_gradient_sync,
     wrap_policy,
 )
+from .generation import RolloutBatch, engine_round_metrics, generate_rollouts
 from .logger import MetricsLogger
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
-from .rollout import RolloutBatch, engine_round_metrics, generate_rollouts
 from .tasks import Example, Task, build_task
 
 

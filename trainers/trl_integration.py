@@ -41,7 +41,7 @@ from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.default_model import resolve_model
 from tandem.sync import LoraSync, peft_adapter_state
 
-from .rollout import engine_round_metrics
+from .generation import engine_round_metrics
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 

@@ -18,10 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .engine import LLMEngine
+from ..engine import LLMEngine
+from ..input_processor import ProcessedPrompt
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 PAUSE_MODES = ("abort", "wait", "keep")
 T = TypeVar("T")
@@ -84,7 +85,7 @@ class AsyncLLMEngine:
         """Run ``fn(*args)`` on the engine thread, between steps; its result or exception."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    async def add_requests(self, prompts: Sequence[str | list[int]],
+    async def add_requests(self, prompts: Sequence[ProcessedPrompt],
                            params: Sequence[SamplingParams], stream: bool,
                            prefix: str = "req") -> list[TrackedRequest]:
         """Queue one request per prompt, all or none; follow each with ``outputs``.
@@ -102,7 +103,7 @@ class AsyncLLMEngine:
         # Tracked before the engine sees them, so a step that finishes one finds it.
         self._tracked.update((t.request_id, t) for t in tracked)
         try:
-            await self.call(self._add, request_ids, prompts, params)
+            await self.call(self.engine.add_requests, request_ids, prompts, params)
         except BaseException:
             for request_id in request_ids:
                 self._tracked.pop(request_id, None)
@@ -130,7 +131,7 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(tracked.request_id)
 
-    async def generate(self, prompts: Sequence[str | list[int]],
+    async def generate(self, prompts: Sequence[ProcessedPrompt],
                        params: Sequence[SamplingParams], prefix: str = "req"
                        ) -> list[RequestOutput]:
         """Queue the prompts and return their final outputs, in order (cancelling aborts)."""
@@ -188,14 +189,6 @@ class AsyncLLMEngine:
                 return output
         raise AssertionError("unreachable: outputs() ends with a finished output")
 
-    def _add(self, request_ids: list[str], prompts: Sequence[str | list[int]],
-             params: Sequence[SamplingParams]) -> None:
-        token_ids = [self.engine.tokenize(prompt) for prompt in prompts]
-        for ids in token_ids:
-            self.engine.check_prompt(ids)
-        for request_id, prompt, ids, p in zip(request_ids, prompts, token_ids, params):
-            self.engine.add_request(request_id, prompt if isinstance(prompt, str) else ids, p)
-
     async def _abort_all(self) -> None:
         request_ids = list(self._tracked)
         outputs = await self.call(lambda: [self.engine.abort_request(r) for r in request_ids])
@@ -231,11 +224,11 @@ class AsyncLLMEngine:
     def _step(self, watched: list[tuple[str, int, bool]]) -> _StepReport:
         report = _StepReport(self.engine.step())
         for request_id, seen, stream in watched:
-            request = self.engine.requests.get(request_id)
-            if request is None:
+            num_output_tokens = self.engine.num_output_tokens(request_id)
+            if num_output_tokens is None:
                 continue
-            report.num_output_tokens[request_id] = request.num_output_tokens
-            if stream and request.num_output_tokens > seen:
+            report.num_output_tokens[request_id] = num_output_tokens
+            if stream and num_output_tokens > seen:
                 report.snapshots[request_id] = self.engine.request_output(request_id)
         return report
 

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
 
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
 
 
 class StreamOptions(BaseModel):

@@ -31,10 +31,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.sync import WeightUpdateError
 
+from ..engine import LLMEngine
+from ..errors import EngineAsleepError
+from ..input_processor import ProcessedPrompt
+from ..llm import as_prompt_list, params_per_prompt
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
 from .async_engine import AsyncLLMEngine, TrackedRequest
-from .engine import LLMEngine
-from .errors import EngineAsleepError
-from .llm import as_prompt_list, params_per_prompt
+from .config import ServerConfig
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai_protocol import (
     ChatCompletionRequest,
@@ -45,9 +49,6 @@ from .openai_protocol import (
     error_body,
     usage,
 )
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
-from .server_config import ServerConfig
 from .weight_transfer import WeightTransfer, WeightTransferStateError
 
 T = TypeVar("T")
@@ -222,21 +223,22 @@ class TandemServer:
                 raise APIError(400, f"{name}={value} exceeds this server's limit of {limit} "
                                f"({flag}).", param=name)
 
-    def check_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        """Token ids of every prompt, refusing one over ``max_prompt_tokens`` (engine thread).
+    def process_prompts(self, prompts: list[str | list[int]]) -> list[ProcessedPrompt]:
+        """Every prompt tokenized once and checked, refusing one over ``max_prompt_tokens``
+        (run on the engine thread).
 
         Raises:
             APIError: for a prompt over the limit.
             ValueError: for a prompt the engine refuses.
         """
-        token_ids = [self.llm_engine.tokenize(prompt) for prompt in prompts]
-        for ids in token_ids:
+        processed = [self.llm_engine.process_prompt(prompt) for prompt in prompts]
+        for ids in (p.prompt_token_ids for p in processed):
             if len(ids) > self.max_prompt_tokens:
                 raise APIError(400, f"the prompt has {len(ids)} tokens, over this server's "
                                f"limit of {self.max_prompt_tokens} (--max-prompt-tokens or "
                                "max_model_len): shorten it.", param="prompt",
                                code="context_length_exceeded")
-        return token_ids
+        return processed
 
     def sampling_params(self, body: SamplingRequest, max_tokens: int,
                         logprobs: int | None) -> SamplingParams:
@@ -246,7 +248,7 @@ class TandemServer:
         return params
 
     async def openai_response(self, request: Request, body: SamplingRequest,
-                              prompts: list[list[int]], params: SamplingParams,
+                              prompts: list[ProcessedPrompt], params: SamplingParams,
                               chat: bool) -> Response:
         """Generate and answer as OpenAI: one JSON body, or server-sent events."""
         prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -414,7 +416,7 @@ def _openai_routes(server: TandemServer) -> APIRouter:
                            param="echo" if body.echo else "suffix")
         params = server.sampling_params(body, body.max_tokens or OPENAI_DEFAULT_MAX_TOKENS,
                                         body.logprobs)
-        prompts = await server.engine.call(server.check_prompts, _prompt_list(body.prompts()))
+        prompts = await server.engine.call(server.process_prompts, _prompt_list(body.prompts()))
         return await server.openai_response(request, body, prompts, params, chat=False)
 
     @router.post("/v1/chat/completions")
@@ -425,7 +427,7 @@ def _openai_routes(server: TandemServer) -> APIRouter:
         params = server.sampling_params(body, max_tokens, logprobs)
         prompt = await server.engine.call(server.llm_engine.apply_chat_template,
                                           body.conversation(), body.add_generation_prompt)
-        prompts = await server.engine.call(server.check_prompts, [prompt])
+        prompts = await server.engine.call(server.process_prompts, [prompt])
         return await server.openai_response(request, body, prompts, params, chat=True)
 
     @router.get("/metrics")
@@ -452,10 +454,9 @@ def _rl_routes(server: TandemServer) -> APIRouter:
         params = params_per_prompt(_sampling_params(body.sampling_params), len(prompts))
         for p in params:
             server.check_limits(p)
-        token_ids = await engine.call(server.check_prompts, prompts)
-        # Text prompts keep their text (RequestOutput.prompt), as LLM.generate.
-        prompts = [p if isinstance(p, str) else ids for p, ids in zip(prompts, token_ids)]
-        outputs = await until_disconnected(request, engine.generate(prompts, params, "rollout"))
+        processed = await engine.call(server.process_prompts, prompts)
+        outputs = await until_disconnected(request, engine.generate(processed, params,
+                                                                    "rollout"))
         return {"outputs": [o.to_dict() for o in outputs],
                 "weight_version": server.llm_engine.weight_version}
 

@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from tandem.sync import WeightReceiver
 
-from .engine import LLMEngine
+from ..engine import LLMEngine
 from .metrics import Histogram
 
 

@@ -1,10 +1,9 @@
-"""The ``tandem`` command line: ``tandem generate --model M --prompt TEXT [-n 8 ...]`` and
-``tandem serve MODEL [--port 8000 --api-key KEY ...]`` and ``tandem train RECIPE.yaml
-[overrides]``.
+"""The ``tandem`` command line (``tandem.cli``): ``tandem generate --model M --prompt TEXT
+[-n 8 ...]``, ``tandem serve MODEL [--port 8000 --api-key KEY ...]`` and ``tandem train
+RECIPE.yaml [overrides]``.
 
-``train`` lives in ``tandem.trainers`` (which builds on the engine); this module reaches it
-only through the imports in ``build_parser`` and ``main``, so the engine never imports
-trainer code.
+The top of the stack: it imports the engine, the server and the trainers, and nothing
+imports it.
 """
 
 from __future__ import annotations
@@ -16,9 +15,11 @@ import sys
 import time
 import typing
 
-from .config import EngineConfig
-from .default_model import DEFAULT_MODEL
-from .server_config import ServerConfig
+from tandem.rollout.config import EngineConfig
+from tandem.rollout.default_model import DEFAULT_MODEL
+from tandem.rollout.serving.config import ServerConfig
+
+from .train import add_train_parser, train
 
 ARGUMENT_TYPES = (bool, int, float, str)
 
@@ -47,8 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", help=f"local Hugging Face folder or {DEFAULT_MODEL!r}")
     add_config_arguments(serve, EngineConfig, skip={"model"})
     add_config_arguments(serve, ServerConfig)
-    from tandem.trainers.cli import add_train_parser
-
     add_train_parser(commands)
     return parser
 
@@ -91,7 +90,7 @@ def _attribute_docs(config_class: type) -> dict[str, str]:
 
 def generate(args: argparse.Namespace) -> None:
     """Run ``tandem generate``: print every completion and the throughput."""
-    from . import LLM, SamplingParams
+    from tandem.rollout import LLM, SamplingParams
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
@@ -115,11 +114,11 @@ def generate(args: argparse.Namespace) -> None:
 def serve(args: argparse.Namespace) -> None:
     """Run ``tandem serve``: load the engine, then serve it until interrupted."""
     try:
-        from .server import serve as serve_engine
+        from tandem.rollout.serving.server import serve as serve_engine
     except ImportError as error:
         raise ValueError(f"tandem serve needs the serve extra: pip install "
                          f"'tandem-rollout[serve]' ({error}).") from error
-    from .engine import LLMEngine
+    from tandem.rollout import LLMEngine
 
     engine = LLMEngine(config_from_arguments(EngineConfig, args))
     serve_engine(engine, config_from_arguments(ServerConfig, args))
@@ -130,15 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
-            from tandem.trainers.cli import train
-
             return train(args)
         {"generate": generate, "serve": serve}[args.command](args)
     except ValueError as error:
         print(f"tandem: error: {error}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import load_config
-from .distributed import shutdown
-from .rewards import RewardError
+from tandem.trainers.config import load_config
+from tandem.trainers.data_parallel import shutdown
+from tandem.trainers.rewards import RewardError
 
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -22,7 +22,7 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
 
 def train(args: argparse.Namespace) -> int:
     """Run ``tandem train``; returns the exit status."""
-    from .trainer import Trainer
+    from tandem.trainers.trainer import Trainer
 
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:

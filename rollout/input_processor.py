@@ -1,0 +1,100 @@
+"""From a user's prompt to checked token ids, once: the one place prompts are tokenized.
+
+Every entry point (``LLM.generate``, the server's routes, ``/v1/rollouts``, the TRL shim)
+hands its prompts to ``InputProcessor.process``, which tokenizes text (or checks given ids)
+and checks the length against the model and the KV pool. The result, a ``ProcessedPrompt``,
+is what ``LLMEngine.add_request`` queues without looking at it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt ready to queue: its token ids and, when it came as text, the text."""
+
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+
+
+class InputProcessor:
+    """Tokenizes and checks prompts for one engine.
+
+    Args:
+        tokenizer: the model's tokenizer (None when the folder has none: ids only).
+        vocab_size: the model's vocabulary (token ids must lie below it).
+        max_model_len: the longest sequence; a prompt must leave room for one new token.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def process(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
+        """The checked token ids of a prompt given as text, ids, or already processed.
+
+        Text is encoded with the tokenizer's special tokens (such as BOS), as vLLM does.
+
+        Raises:
+            ValueError: for text without a tokenizer, ids outside the vocabulary, or a
+                prompt that is empty or leaves no room under max_model_len.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            processed = ProcessedPrompt(self._encode(prompt), prompt)
+        else:
+            processed = ProcessedPrompt(self._checked_ids(prompt))
+        self._check_length(processed.prompt_token_ids)
+        return processed
+
+    def apply_chat_template(self, conversation: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of a conversation under the model's chat template.
+
+        The template supplies the special tokens (nothing is added on top).
+
+        Raises:
+            ValueError: when the model has no tokenizer or chat template, or the template
+                refuses the messages.
+        """
+        tokenizer = self.tokenizer
+        if tokenizer is None or not tokenizer.chat_template:
+            raise ValueError("this model has no chat template: give a prompt instead.")
+        try:
+            return list(tokenizer.apply_chat_template(
+                conversation, tokenize=True, return_dict=False,
+                add_generation_prompt=add_generation_prompt))
+        except Exception as exc:  # jinja's errors, and a template's own raise_exception
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer: pass prompts as token ids.")
+        return self.tokenizer.encode(text)
+
+    def _checked_ids(self, token_ids: list[int]) -> list[int]:
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}).")
+        return list(token_ids)
+
+    def _check_length(self, token_ids: list[int]) -> None:
+        """The pool always holds one max_model_len sequence (checked at start), so a prompt
+        that leaves room under max_model_len also fits the pool."""
+        num_tokens = len(token_ids)
+        if num_tokens == 0:
+            raise ValueError("the prompt is empty: give at least one token.")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt has {num_tokens} tokens, but max_model_len="
+                             f"{self.max_model_len} (which the KV pool is sized to hold) leaves "
+                             "no room for a new token: shorten the prompt, or raise "
+                             "max_model_len and the KV budget (num_kv_blocks or "
+                             "kv_cache_memory_bytes).")
