@@ -42,10 +42,12 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, select_kernels  # noqa: E402
+from tandem.kernels.testing import TOLERANCE, relative_error  # noqa: E402
 from tandem.rollout import LLM, SamplingParams  # noqa: E402
+from tandem.rollout.block_manager import num_blocks_for  # noqa: E402
+from tandem.rollout.models.rotary import RotaryEmbedding  # noqa: E402
 
 BUDGET_SECONDS = 280
-TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
                  num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                  head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
@@ -95,13 +97,6 @@ def seconds_per_call(call: Callable[[], object], repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
-    """‖out − reference‖ / ‖reference‖ (inf when ``out`` holds a NaN or inf)."""
-    if not torch.isfinite(out).all():
-        return float("inf")
-    return ((out.double() - reference).norm() / reference.norm()).item()
-
-
 # ---------------------------------------------------------------- 1. kernel errors
 
 
@@ -109,7 +104,7 @@ def paged_inputs(shape: dict, context_lens: list[int], query_lens: list[int], nu
                  dtype: torch.dtype, device: torch.device, block_size: int = 16):
     """Random query and pool, shuffled block tables, metadata of one step."""
     generator = torch.Generator(device=device).manual_seed(0)
-    blocks_per_seq = [-(-c // block_size) for c in context_lens]
+    blocks_per_seq = [num_blocks_for(c, block_size) for c in context_lens]
     num_blocks = sum(blocks_per_seq) + 8
     order = torch.randperm(num_blocks, device=device, generator=generator)
     width = max(blocks_per_seq)
@@ -149,20 +144,26 @@ def check_attention(rec: Recorder, shape: dict, device: torch.device, smoke: boo
     triton_ops = select_kernels("triton", device)
     scale = shape["head_dim"] ** -0.5
     for name, (context_lens, query_lens, num_decodes) in attention_cases(smoke).items():
-        for dtype_name in TOLERANCE:
+        for dtype in TOLERANCE:
             query, k_cache, v_cache, metadata = paged_inputs(
-                shape, context_lens, query_lens, num_decodes, getattr(torch, dtype_name), device)
+                shape, context_lens, query_lens, num_decodes, dtype, device)
             out = triton_ops.paged_attention(query, k_cache, v_cache, metadata, scale)
             reference = TORCH_OPS.paged_attention(query.double(), k_cache.double(),
                                                   v_cache.double(), metadata, scale)
-            record_error(rec, f"paged attention {name}", dtype_name, out, reference)
+            record_error(rec, f"paged attention {name}", out, reference)
 
 
-def record_error(rec: Recorder, name: str, dtype_name: str, out: torch.Tensor,
-                 reference: torch.Tensor) -> None:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"bfloat16"`` for ``torch.bfloat16``: the dtype as the results name it."""
+    return str(dtype).removeprefix("torch.")
+
+
+def record_error(rec: Recorder, name: str, out: torch.Tensor, reference: torch.Tensor) -> None:
+    """Record ``out``'s relative error against ``reference`` and whether its dtype's
+    tolerance holds it."""
     error = relative_error(out, reference)
-    rec.record("kernels", name, dtype=dtype_name, rel_error=error,
-               ok=error < TOLERANCE[dtype_name])
+    rec.record("kernels", name, dtype=dtype_name(out.dtype), rel_error=error,
+               ok=error < TOLERANCE[out.dtype])
 
 
 def check_layers(rec: Recorder, shape: dict, device: torch.device, smoke: bool) -> None:
@@ -172,8 +173,7 @@ def check_layers(rec: Recorder, shape: dict, device: torch.device, smoke: bool) 
                                                   "num_key_value_heads"))
     head_dim = shape["head_dim"]
     generator = torch.Generator(device=device).manual_seed(1)
-    for dtype_name in TOLERANCE:
-        dtype = getattr(torch, dtype_name)
+    for dtype in TOLERANCE:
 
         def randn(*size: int, dtype=dtype) -> torch.Tensor:
             return torch.randn(*size, device=device, generator=generator).to(dtype)
@@ -182,39 +182,35 @@ def check_layers(rec: Recorder, shape: dict, device: torch.device, smoke: bool) 
         out, summed = triton_ops.rms_norm(x, weight, 1e-6, residual)
         ref_out, ref_sum = TORCH_OPS.rms_norm(x.double(), weight.double(), 1e-6,
                                               residual.double())
-        record_error(rec, "rms_norm + residual", dtype_name, out, ref_out)
-        record_error(rec, "residual add", dtype_name, summed, ref_sum)
+        record_error(rec, "rms_norm + residual", out, ref_out)
+        record_error(rec, "residual add", summed, ref_sum)
         q_heads, q_weight = randn(tokens, heads, head_dim), randn(head_dim)
-        record_error(rec, "rms_norm (q_norm)", dtype_name,
-                     triton_ops.rms_norm(q_heads, q_weight, 1e-6),
+        record_error(rec, "rms_norm (q_norm)", triton_ops.rms_norm(q_heads, q_weight, 1e-6),
                      TORCH_OPS.rms_norm(q_heads.double(), q_weight.double(), 1e-6))
         gate, up = randn(tokens, shape["intermediate_size"]), randn(tokens,
                                                                      shape["intermediate_size"])
-        record_error(rec, "silu_and_mul", dtype_name, triton_ops.silu_and_mul(gate, up),
+        record_error(rec, "silu_and_mul", triton_ops.silu_and_mul(gate, up),
                      TORCH_OPS.silu_and_mul(gate.double(), up.double()))
-        check_rotary(rec, triton_ops, dtype_name, randn(tokens, heads, head_dim),
+        check_rotary(rec, triton_ops, randn(tokens, heads, head_dim),
                      randn(tokens, kv_heads, head_dim), shape)
-        check_store_kv(rec, triton_ops, dtype_name, randn(tokens, kv_heads, head_dim),
+        check_store_kv(rec, triton_ops, randn(tokens, kv_heads, head_dim),
                        randn(tokens, kv_heads, head_dim))
 
 
-def check_rotary(rec: Recorder, triton_ops, dtype_name: str, query: torch.Tensor,
-                 key: torch.Tensor, shape: dict) -> None:
-    head_dim, device = shape["head_dim"], query.device
-    inv_freq = 1.0 / shape["rope_theta"] ** (
-        torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+def check_rotary(rec: Recorder, triton_ops, query: torch.Tensor, key: torch.Tensor,
+                 shape: dict) -> None:
+    device = query.device
+    tables = RotaryEmbedding(Qwen3Config(**shape), shape["head_dim"], 4096, device)
     positions = torch.randint(0, 4096, (query.shape[0],), device=device)
-    angles = torch.outer(torch.arange(4096, device=device).float(), inv_freq).repeat(1, 2)
-    cos, sin = angles.cos(), angles.sin()
     ref_query, ref_key = query.double(), key.double()
-    TORCH_OPS.rotary_embedding(positions, ref_query, ref_key, cos.double(), sin.double())
-    triton_ops.rotary_embedding(positions, query, key, cos, sin)
-    record_error(rec, "rotary (query)", dtype_name, query, ref_query)
-    record_error(rec, "rotary (key)", dtype_name, key, ref_key)
+    TORCH_OPS.rotary_embedding(positions, ref_query, ref_key, tables.cos.double(),
+                               tables.sin.double())
+    triton_ops.rotary_embedding(positions, query, key, tables.cos, tables.sin)
+    record_error(rec, "rotary (query)", query, ref_query)
+    record_error(rec, "rotary (key)", key, ref_key)
 
 
-def check_store_kv(rec: Recorder, triton_ops, dtype_name: str, key: torch.Tensor,
-                   value: torch.Tensor) -> None:
+def check_store_kv(rec: Recorder, triton_ops, key: torch.Tensor, value: torch.Tensor) -> None:
     num_tokens, kv_heads, head_dim = key.shape
     device = key.device
     k_cache = torch.zeros(num_tokens // 8 + 4, 16, kv_heads, head_dim, dtype=key.dtype,
@@ -228,7 +224,7 @@ def check_store_kv(rec: Recorder, triton_ops, dtype_name: str, key: torch.Tensor
              and torch.equal(v_cache.view(-1, kv_heads, head_dim)[slots[written]],
                              value[written])
              and int((k_cache != 0).any(-1).any(-1).sum()) == int(written.sum()))
-    rec.record("kernels", "store_kv (exact, -1 skipped)", dtype=dtype_name,
+    rec.record("kernels", "store_kv (exact, -1 skipped)", dtype=dtype_name(key.dtype),
                rel_error=0.0 if exact else float("inf"), ok=exact)
 
 
@@ -286,11 +282,11 @@ def check_engine_tokens(rec: Recorder, folder: Path, device: torch.device,
 def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
     """Decode tokens/s of ``batch`` sequences (128-token prompts), after their prefill."""
     engine = llm.engine
-    for i in range(batch):
-        engine.add_request(f"decode-{batch}-{i}", [(7 * i + j) % 500 + 2 for j in range(128)],
+    request_ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
+        engine.add_request(request_id, [(7 * i + j) % 500 + 2 for j in range(128)],
                            SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1
-                                          for s in engine.scheduler.running):
+    while min(engine.num_output_tokens(r) for r in request_ids) == 0:  # every prefill done
         engine.step()
     engine.step()
     sync()
@@ -299,8 +295,8 @@ def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
         engine.step()
     sync()
     seconds = time.perf_counter() - start
-    for i in range(batch):
-        engine.abort_request(f"decode-{batch}-{i}")
+    for request_id in request_ids:
+        engine.abort_request(request_id)
     return batch * steps / seconds
 
 

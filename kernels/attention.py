@@ -19,6 +19,7 @@ matmul, then each decode's own blocks, one softmax over both parts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +57,7 @@ class BlockRuns:
 def block_runs(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> BlockRuns:
     """The runs of ``block_tables`` ``[runs, blocks]`` holding ``lens[r]`` tokens each,
     trimmed to the longest."""
-    num_blocks = -(-int(lens.max()) // block_size)
+    num_blocks = math.ceil(int(lens.max()) / block_size)
     positions = torch.arange(num_blocks * block_size, device=lens.device)
     bias = torch.zeros(len(lens), len(positions), device=lens.device)
     bias.masked_fill_(positions[None, :] >= lens[:, None], MASKED)
@@ -212,7 +213,7 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
     output_dtype = query.dtype
     block_size = k_cache.shape[1]
-    block_ids = block_table[: -(-context_len // block_size)]
+    block_ids = block_table[:math.ceil(context_len / block_size)]
     keys = _gather(k_cache, block_ids, 1)[:, 0, :context_len]
     values = _gather(v_cache, block_ids, 1)[:, 0, :context_len]
     query = _upcast(query.transpose(0, 1))

@@ -31,6 +31,22 @@ def block_hash(parent_hash: int | None, extra_key: Hashable, token_ids: tuple[in
 
 
 @dataclass(slots=True)
+class SlotAllocation:
+    """What ``allocate_slots`` did for one sequence.
+
+    Attributes:
+        num_cached_tokens: tokens whose K/V the prefix cache already held (on admission; a
+            multiple of block_size, always leaving at least one token to compute).
+        num_new_tokens: tokens the sequence computes in this step.
+        copy: the ``(source, destination)`` blocks to copy before the step (copy-on-write).
+    """
+
+    num_cached_tokens: int
+    num_new_tokens: int
+    copy: tuple[int, int] | None
+
+
+@dataclass(slots=True)
 class Block:
     """One KV block: how many sequences hold it and, once full and registered, its hash."""
 
@@ -84,51 +100,53 @@ class BlockManager:
         """Free blocks that still hold a registered hash (reusable by a cache hit)."""
         return sum(self.blocks[b].block_hash is not None for b in self.free_block_ids)
 
-    def admit(self, seq: Sequence) -> int | None:
-        """Give ``seq`` blocks for all its tokens, reusing cached blocks of its prefix.
+    def allocate_slots(self, seq: Sequence, token_budget: int,
+                       use_cache: bool = True) -> SlotAllocation | None:
+        """Make ``seq`` ready to compute its next tokens, at most ``token_budget`` of them.
 
-        Returns the number of tokens whose K/V the cache already holds (a multiple of
-        block_size, always leaving at least one token to compute), or None, changing
-        nothing, when the free blocks do not suffice.
+        One call serves admission and growth. A sequence that holds no blocks first takes
+        the cached blocks of its prefix (with ``use_cache``). Every sequence then holds
+        blocks for all its tokens (so a half-prefilled one never starves), its own copy of
+        a shared block its next write lands in (copy-on-write), and the blocks this step
+        fills are hashed and cached (a later request of the same step may hit them: each
+        layer writes the step's K/V before any attention of the step reads them).
+
+        Returns what was allocated, or None, changing nothing, when the free blocks do not
+        suffice.
         """
-        hits = self._lookup(seq)
+        admitting = not seq.block_table
+        hits = self._lookup(seq) if admitting and use_cache else []
+        num_computed = seq.num_computed_tokens + len(hits) * self.block_size
+        needs_copy = self._shared_block_at(seq, num_computed)
+        grow = num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table) - len(hits)
         hits_on_free = sum(self.blocks[b].ref_count == 0 for b in hits)
-        fresh = num_blocks_for(seq.num_tokens, self.block_size) - len(hits)
-        if fresh + hits_on_free > self.num_free_blocks:
+        if max(grow, 0) + needs_copy + hits_on_free > self.num_free_blocks:
             return None
         for block_id in hits:
             self._take(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(self.blocks[block_id].block_hash)
+        copy = self._copy_on_write(seq, num_computed) if needs_copy else None
         self._grow(seq, seq.num_tokens)
-        num_hit_tokens = len(hits) * self.block_size
-        self.num_queried_tokens += seq.num_tokens
-        self.num_hit_tokens += num_hit_tokens
-        return num_hit_tokens
+        num_new_tokens = min(seq.num_tokens - num_computed, token_budget)
+        self._register_full_blocks(seq, num_computed + num_new_tokens)
+        if admitting:
+            self.num_queried_tokens += seq.num_tokens
+            self.num_hit_tokens += len(hits) * self.block_size
+        return SlotAllocation(len(hits) * self.block_size, num_new_tokens, copy)
 
-    def num_new_blocks(self, seq: Sequence, num_tokens: int) -> int:
-        """Blocks ``seq`` needs to write up to ``num_tokens`` tokens (growth and copy)."""
-        grow = max(0, num_blocks_for(num_tokens, self.block_size) - len(seq.block_table))
-        return grow + self._needs_copy(seq)
-
-    def can_append(self, seq: Sequence, num_tokens: int) -> bool:
-        """True when the free blocks suffice for ``seq`` to write up to ``num_tokens``."""
-        return self.num_new_blocks(seq, num_tokens) <= self.num_free_blocks
-
-    def append(self, seq: Sequence, num_tokens: int) -> tuple[int, int] | None:
-        """Make ``seq``'s blocks writable up to ``num_tokens`` tokens.
-
-        Copies a shared block that the next write lands in (copy-on-write) and grows the
-        table. Returns the ``(source, destination)`` block pair the runner must copy, if any.
-
-        Raises:
-            RuntimeError: when the pool lacks blocks (callers check ``can_append``).
-        """
-        if not self.can_append(seq, num_tokens):
-            raise RuntimeError("KV pool exhausted: check can_append before append")
-        copy = self._copy_on_write(seq) if self._needs_copy(seq) else None
-        self._grow(seq, num_tokens)
-        return copy
+    def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
+        """How many leading blocks all of ``seqs`` hold in common (the same physical blocks)
+        that lie wholly before each one's last token (the token a decode writes)."""
+        first = seqs[0].block_table
+        num_shared = min((seq.num_tokens - 1) // self.block_size for seq in seqs)
+        for seq in seqs[1:]:
+            table = seq.block_table
+            shared = 0
+            while shared < num_shared and table[shared] == first[shared]:
+                shared += 1
+            num_shared = shared
+        return num_shared
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Let ``child`` share every block of ``parent`` (one more reference each)."""
@@ -136,22 +154,6 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
-
-    def register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Hash and cache each of ``seq``'s blocks that its first ``num_tokens`` tokens fill.
-
-        Called when the step that fills them is scheduled: the step writes each layer's K/V
-        before any attention of that step reads them, so a later request of the same step
-        may already hit these blocks.
-        """
-        if not self.enable_prefix_caching:
-            return
-        size = self.block_size
-        for index in range(len(seq.block_hashes), num_tokens // size):
-            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
-            self._register(seq.block_table[index], seq.block_hashes[-1], tokens)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s reference to each of its blocks, last block first.
@@ -192,6 +194,17 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash and cache each of ``seq``'s blocks that its first ``num_tokens`` tokens fill."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        for index in range(len(seq.block_hashes), num_tokens // size):
+            tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
+            self._register(seq.block_table[index], seq.block_hashes[-1], tokens)
+
     def _register(self, block_id: int, hash_value: int, tokens: tuple[int, ...]) -> None:
         if hash_value in self.cached_block_ids:
             return  # the same content is cached in another block already
@@ -199,13 +212,14 @@ class BlockManager:
         block.block_hash, block.token_ids = hash_value, tokens
         self.cached_block_ids[hash_value] = block_id
 
-    def _needs_copy(self, seq: Sequence) -> bool:
-        index = seq.num_computed_tokens // self.block_size
+    def _shared_block_at(self, seq: Sequence, position: int) -> bool:
+        """True when the block holding ``position`` is one ``seq`` shares with another."""
+        index = position // self.block_size
         return (index < len(seq.block_table)
                 and self.blocks[seq.block_table[index]].ref_count > 1)
 
-    def _copy_on_write(self, seq: Sequence) -> tuple[int, int]:
-        index = seq.num_computed_tokens // self.block_size
+    def _copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int]:
+        index = position // self.block_size
         source = seq.block_table[index]
         self.blocks[source].ref_count -= 1
         destination = self._pop_free()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,47 +17,46 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 class EngineConfig:
     """Everything the engine needs to start, with vLLM's names and meanings.
 
-    Attributes:
-        model: a local Hugging Face folder, or ``smollm2-135m-instruct`` (the embedded default).
-        dtype: ``"auto"`` (float32 on CPU, the checkpoint's dtype on GPU), a name such as
-            ``"bfloat16"``, or a ``torch.dtype``.
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; None picks CUDA when available.
-        block_size: tokens per KV block.
-        num_kv_blocks: the KV pool's size in blocks (overrides the two below).
-        kv_cache_memory_bytes: the KV pool's size in bytes.
-        gpu_memory_utilization: the fraction of device memory this engine owns in all (weights,
-            KV pool, buffers); the KV pool gets what the rest leaves. Default 0.9 on CUDA.
-            On CPU the pool defaults to 1 GiB.
-        max_num_seqs: most sequences in one step.
-        max_num_batched_tokens: most tokens computed in one step (the chunked-prefill budget).
-        max_model_len: longest sequence (prompt plus completion); default the model's.
-        enable_prefix_caching: reuse the KV of repeated prompt prefixes.
-        seed: seed of the generator for requests without their own seed.
-        attention_backend: the kernels: ``"auto"`` (Triton on CUDA, torch on CPU),
-            ``"triton"`` (on CPU only under the Triton interpreter, ``TRITON_INTERPRET=1``)
-            or ``"torch"`` (the plain-torch references).
-        enforce_eager: never capture CUDA graphs (they are captured on CUDA with the Triton
-            kernels otherwise).
-        tune_cpu_allocator: on CPU, raise glibc malloc's mmap and trim thresholds for the
-            whole process so that freed temporaries are reused instead of page-faulted in
-            again every step (see ``cpu_allocator.py``); False leaves malloc as it is.
+    Each field's help is in its metadata (``metadata["help"]``), which ``tandem serve
+    --help`` prints.
     """
 
-    model: str
-    dtype: str | torch.dtype = "auto"
-    device: str | None = None
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    tune_cpu_allocator: bool = True
+    model: str = field(metadata={"help": "a local Hugging Face folder, or "
+                                 "``smollm2-135m-instruct`` (the embedded default)."})
+    dtype: str | torch.dtype = field(default="auto", metadata={"help": (
+        "``\"auto\"`` (float32 on CPU, the checkpoint's dtype on GPU), a name such as "
+        "``\"bfloat16\"``, or a ``torch.dtype``.")})
+    device: str | None = field(default=None, metadata={"help": (
+        "``\"cpu\"``, ``\"cuda\"``, ``\"cuda:1\"``...; None picks CUDA when available.")})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block."})
+    num_kv_blocks: int | None = field(default=None, metadata={"help": (
+        "the KV pool's size in blocks (overrides the two below).")})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": (
+        "the KV pool's size in bytes.")})
+    gpu_memory_utilization: float | None = field(default=None, metadata={"help": (
+        "the fraction of device memory this engine owns in all (weights, KV pool, buffers); "
+        "the KV pool gets what the rest leaves. Default 0.9 on CUDA. On CPU the pool defaults "
+        "to 1 GiB.")})
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step."})
+    max_num_batched_tokens: int = field(default=8192, metadata={"help": (
+        "most tokens computed in one step (the chunked-prefill budget).")})
+    max_model_len: int | None = field(default=None, metadata={"help": (
+        "longest sequence (prompt plus completion); default the model's.")})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": (
+        "reuse the KV of repeated prompt prefixes.")})
+    seed: int = field(default=0, metadata={"help": (
+        "seed of the generator for requests without their own seed.")})
+    attention_backend: str = field(default="auto", metadata={"help": (
+        "the kernels: ``\"auto\"`` (Triton on CUDA, torch on CPU), ``\"triton\"`` (on CPU "
+        "only under the Triton interpreter, ``TRITON_INTERPRET=1``) or ``\"torch\"`` (the "
+        "plain-torch references).")})
+    enforce_eager: bool = field(default=False, metadata={"help": (
+        "never capture CUDA graphs (they are captured on CUDA with the Triton kernels "
+        "otherwise).")})
+    tune_cpu_allocator: bool = field(default=True, metadata={"help": (
+        "on CPU, raise glibc malloc's mmap and trim thresholds for the whole process so that "
+        "freed temporaries are reused instead of page-faulted in again every step (see "
+        "``cpu_allocator.py``); False leaves malloc as it is.")})
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")

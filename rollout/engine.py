@@ -10,10 +10,9 @@ import itertools
 import threading
 from collections.abc import Collection, Iterable
 from collections.abc import Sequence as Seq
-from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig
 
 from tandem.sync import WeightUpdate
 
@@ -24,6 +23,7 @@ from .default_model import resolve_model
 from .errors import EngineAsleepError
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt
 from .memory import size_kv_cache
+from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .model_runner import ModelRunner
 from .models import architecture_of
 from .models.llama import LoraLinear
@@ -50,9 +50,9 @@ class LLMEngine:
         model_dir = resolve_model(config.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
         architecture_of(hf_config)
-        self.tokenizer = _load_tokenizer(model_dir)
-        self.eos_token_ids = _eos_token_ids(model_dir, hf_config, self.tokenizer)
-        self.max_model_len = _max_model_len(config, hf_config)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
+        self.max_model_len = resolve_max_model_len(config, hf_config)
         device = config.torch_device
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         if device.type == "cpu" and config.tune_cpu_allocator:
@@ -69,8 +69,7 @@ class LLMEngine:
         self.runner.capture_graphs()
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size,
                                               self.max_model_len)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids,
-                                                self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.sleep_level = 0
@@ -86,7 +85,8 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         self.block_manager.extra_key = (self.weight_version, None)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens)
+                                   self.config.max_num_batched_tokens, self.eos_token_ids,
+                                   self.max_model_len, self.output_processor.match_stop_string)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
@@ -179,17 +179,9 @@ class LLMEngine:
         self.kv_blocks_used_peak = max(self.kv_blocks_used_peak,
                                        self.block_manager.num_used_blocks)
         sampler_output = self.runner.execute(batch)
-        sampled = self.scheduler.update(batch, sampler_output.token_ids, self.weight_version)
-        finished: list[RequestOutput] = []
-        for row, seq in enumerate(sampled):
-            seq.logprobs.append(sampler_output.logprobs[row])
-            if sampler_output.top_logprobs[row] is not None:
-                seq.top_logprobs.append(sampler_output.top_logprobs[row])
-            finish_reason = self.output_processor.check_stop(seq)
-            if finish_reason is not None:
-                self._finish(seq, finish_reason)
-                finished += self._pop_if_finished(seq.request_id)
-        return finished
+        finished = self.scheduler.update_from_output(batch, sampler_output, self.weight_version)
+        request_ids = dict.fromkeys(seq.request_id for seq in finished)
+        return [self._pop(r) for r in request_ids if self.requests[r].is_finished]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks.
@@ -202,7 +194,7 @@ class LLMEngine:
             return None
         for seq in request.seqs:
             if not seq.is_finished:
-                self._finish(seq, "abort")
+                self.scheduler.finish(seq, "abort")
         return self.output_processor.make_output(request, self.weight_version)
 
     def request_output(self, request_id: str) -> RequestOutput:
@@ -211,10 +203,8 @@ class LLMEngine:
         Raises:
             KeyError: for an unknown or finished request id.
         """
-        output = self.output_processor.make_output(self.requests[request_id],
-                                                   self.weight_version)
-        output.finished = False
-        return output
+        return self.output_processor.make_output(self.requests[request_id],
+                                                 self.weight_version, finished=False)
 
     def num_output_tokens(self, request_id: str) -> int | None:
         """Tokens generated so far by all sequences of a request (None: unknown or finished)."""
@@ -384,48 +374,6 @@ class LLMEngine:
         """Forget every cached prefix block; later requests recompute their prompts."""
         self.block_manager.reset_prefix_cache()
 
-    def _finish(self, seq: Sequence, finish_reason: str) -> None:
-        self.scheduler.finish(seq, finish_reason)
-        self.runner.sampler.release(seq.seq_id)
-
-    def _pop_if_finished(self, request_id: str) -> list[RequestOutput]:
-        request = self.requests[request_id]
-        if not request.is_finished:
-            return []
-        del self.requests[request_id]
-        return [self.output_processor.make_output(request, self.weight_version)]
-
-
-def _load_tokenizer(model_dir: Path):
-    has_tokenizer = any((model_dir / name).exists() for name in
-                        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    return AutoTokenizer.from_pretrained(model_dir) if has_tokenizer else None
-
-
-def _eos_token_ids(model_dir: Path, hf_config: PretrainedConfig, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    sources = [hf_config.eos_token_id]
-    if (model_dir / "generation_config.json").exists():
-        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    if tokenizer is not None:
-        sources.append(tokenizer.eos_token_id)
-    for source in sources:
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(source)
-    return ids
-
-
-def _max_model_len(config: EngineConfig, hf_config: PretrainedConfig) -> int:
-    limit = hf_config.max_position_embeddings
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, sliding_window)  # exact without sliding-window attention
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of "
-                         f"{limit} tokens (max_position_embeddings, or the sliding window, "
-                         "which Tandem does not implement): lower max_model_len.")
-    return config.max_model_len
+    def _pop(self, request_id: str) -> RequestOutput:
+        request = self.requests.pop(request_id)
+        return self.output_processor.make_output(request, self.weight_version)

@@ -17,16 +17,17 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, CascadeLayout, block_runs, pool_layout, select_kernels
+from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
 
+from .attention_layout import cascade_layout, long_tensor, padded_tensor
 from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
 from .models import build_model
 from .models.llama import head_dim_of
-from .sampler import Sampler, SamplerOutput
+from .outputs import SamplerOutput
+from .sampler import Sampler
 from .scheduler import ScheduledBatch
-from .sequence import Sequence
 
 
 class ModelRunner:
@@ -127,9 +128,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Run ``batch``'s forward pass and sample for the sequences that finish their chunk.
 
-        Copy-on-write block copies run first. A row whose group forks in this step is
-        sampled once per group member, each with its own parameters and generator.
+        Finished sequences' generators are dropped and copy-on-write block copies run first.
+        A row whose group forks in this step is sampled once per group member, each with its
+        own parameters and generator. Chunks that score prompt log-probs get them too.
         """
+        self.sampler.release(batch.finished_seq_ids)
         self._copy_blocks(batch.copies)
         input_ids, positions, metadata, sample_rows = self._prepare(batch)
         hidden = self._forward(input_ids, positions, metadata)
@@ -138,7 +141,31 @@ class ModelRunner:
         if any(len(group) > 1 for group in groups):
             sizes = torch.tensor([len(group) for group in groups], device=logits.device)
             logits = logits.repeat_interleave(sizes, dim=0)
-        return self.sampler(logits, [seq for group in groups for seq in group])
+        output = self.sampler(logits, [seq for group in groups for seq in group])
+        output.prompt_logprobs = self._prompt_logprobs(batch, hidden, metadata.cu_seqlens_q)
+        return output
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor) -> dict[int, list[dict[int, float]]]:
+        """Per batch row that scores prompt log-probs, those of the positions its chunk
+        computes that were not scored before (a recompute after preemption scores none)."""
+        scored: dict[int, list[dict[int, float]]] = {}
+        for i, seq in enumerate(batch.seqs):
+            if not seq.needs_prompt_logprobs:
+                continue
+            start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+            end = min(seq.num_computed_tokens + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+            if start >= end:
+                continue
+            first_row = int(cu_seqlens_q[i]) - seq.num_computed_tokens
+            logits = self.model.compute_logits(hidden[first_row + start:first_row + end])
+            targets = self._long(seq.token_ids[start + 1:end + 1])
+            scored[i] = self.sampler.prompt_logprobs(logits, targets,
+                                                     seq.sampling_params.prompt_logprobs)
+        return scored
+
+    def _long(self, values: list) -> torch.Tensor:
+        return long_tensor(values, self.device)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
@@ -150,14 +177,8 @@ class ModelRunner:
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            sources, destinations = (self._tensor(list(c)) for c in zip(*copies))
+            sources, destinations = (self._long(list(c)) for c in zip(*copies))
             self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
-
-    @torch.inference_mode()
-    def prompt_logits(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Float32 logits of every scheduled token (for tests and scoring), no sampling."""
-        input_ids, positions, metadata, _ = self._prepare(batch)
-        return self.model.compute_logits(self.model(input_ids, positions, metadata)).float()
 
     def _prepare(self, batch: ScheduledBatch
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -179,81 +200,14 @@ class ModelRunner:
         context_lens = [seq.num_computed_tokens + n
                         for seq, n in zip(batch.seqs, batch.num_new_tokens)]
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping),
-            block_tables=self._padded([seq.block_table for seq in batch.seqs]),
-            context_lens=self._tensor(context_lens), cu_seqlens_q=self._tensor(cu_seqlens_q),
+            slot_mapping=self._long(slot_mapping),
+            block_tables=padded_tensor([seq.block_table for seq in batch.seqs], self.device),
+            context_lens=self._long(context_lens), cu_seqlens_q=self._long(cu_seqlens_q),
             num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
         if self.ops.cascade and batch.num_decodes:
-            metadata.cascade = self._cascade_layout(batch.seqs[:batch.num_decodes])
-        return (self._tensor(input_ids), self._tensor(positions), metadata,
-                self._tensor(sample_rows))
-
-    def _cascade_layout(self, decodes: list[Sequence]) -> CascadeLayout:
-        """The decodes grouped by request for cascade attention.
-
-        A group shares the full blocks that all its members hold before their last token;
-        decodes that share nothing with another form the last group, with an empty shared
-        run. Without any sharing, only each decode's own run.
-        """
-        by_request: dict[str, list[int]] = {}
-        for d, seq in enumerate(decodes):
-            by_request.setdefault(seq.request_id, []).append(d)
-        groups: list[tuple[list[int], int]] = []
-        alone: list[int] = []
-        for members in by_request.values():
-            num_shared = self._num_shared_blocks([decodes[d] for d in members])
-            if num_shared:
-                groups.append((members, num_shared))
-            else:
-                alone += members
-        skipped = [0] * len(decodes)
-        for members, num_shared in groups:
-            for d in members:
-                skipped[d] = num_shared
-        own = block_runs(
-            self._padded([seq.block_table[n:] for seq, n in zip(decodes, skipped)]),
-            self._tensor([seq.num_tokens - n * self.block_size
-                          for seq, n in zip(decodes, skipped)]), self.block_size)
-        if not groups:
-            return CascadeLayout(own)
-        if alone:
-            groups.append((alone, 0))
-        width = max(len(members) for members, _ in groups)
-        member_slots = [0] * len(decodes)
-        for g, (members, _) in enumerate(groups):
-            for i, d in enumerate(members):
-                member_slots[d] = g * width + i
-        shared = block_runs(
-            self._padded([decodes[members[0]].block_table[:n] for members, n in groups]),
-            self._tensor([n * self.block_size for _, n in groups]), self.block_size)
-        return CascadeLayout(
-            own, shared,
-            self._tensor([members + members[:1] * (width - len(members))
-                          for members, _ in groups]),
-            self._tensor(member_slots))
-
-    def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
-        """How many leading blocks ``seqs`` all share that lie wholly before each one's last
-        token (the token this step writes)."""
-        if len(seqs) == 1:
-            return 0
-        first = seqs[0].block_table
-        num_shared = min((seq.num_tokens - 1) // self.block_size for seq in seqs)
-        for seq in seqs[1:]:
-            table = seq.block_table
-            shared = 0
-            while shared < num_shared and table[shared] == first[shared]:
-                shared += 1
-            num_shared = shared
-        return num_shared
-
-    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
-        """``rows`` as one tensor, each padded with 0 to the longest."""
-        width = max(map(len, rows))
-        return self._tensor([row + [0] * (width - len(row)) for row in rows])
-
-    def _tensor(self, values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+            metadata.cascade = cascade_layout(batch, self.block_size, self.device)
+        return (self._long(input_ids), self._long(positions), metadata,
+                self._long(sample_rows))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -1,6 +1,12 @@
-"""Stop conditions and detokenisation: from sampled tokens to ``RequestOutput``s."""
+"""From sequences to ``RequestOutput``s: incremental detokenization and final text.
+
+Stop strings are matched on text decoded incrementally: each step decodes only the newest
+tokens (with a few before them for context), never the whole output again.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
@@ -8,44 +14,87 @@ from .outputs import CompletionOutput, RequestOutput
 from .sequence import Request, Sequence
 
 
+@dataclass(slots=True)
+class IncrementalDetokenizer:
+    """The text of one sequence's output, decoded a few tokens at a time.
+
+    As vLLM's incremental detokenizer: ``new text = decode(ids[prefix_offset:]) minus
+    decode(ids[prefix_offset:read_offset])``, where the tokens before ``read_offset`` give
+    the context that decides spaces and merges; an unfinished UTF-8 character (decoded as
+    U+FFFD) waits for the next token. ``searched`` is how much of ``text`` was already
+    searched for stop strings.
+    """
+
+    tokenizer: PreTrainedTokenizerBase
+    skip_special_tokens: bool
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    searched: int = 0
+
+    def update(self, output_ids: list[int]) -> None:
+        """Decode the tokens added since the last call (any number of them)."""
+        if self.read_offset == len(output_ids):
+            return
+        prefix_text = self._decode(output_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(output_ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
+
+    def find_stop(self, stops: list[str]) -> str | None:
+        """The first of ``stops`` (by position) in the text not searched yet, with enough
+        of the searched text before it to catch a stop string across the boundary."""
+        start = max(self.searched - max(map(len, stops)) + 1, 0)
+        region = self.text[start:]
+        self.searched = len(self.text)
+        found = [(region.find(stop), stop) for stop in stops if stop in region]
+        return min(found)[1] if found else None
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
 class OutputProcessor:
-    """Decides when a sequence stops and turns finished requests into outputs."""
+    """Matches stop strings as sequences grow and turns requests into outputs.
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, eos_token_ids: set[int],
-                 max_model_len: int) -> None:
+    Holds one ``IncrementalDetokenizer`` per sequence with stop strings, dropped when its
+    request's final output is made.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
+        self.detokenizers: dict[int, IncrementalDetokenizer] = {}
 
-    def check_stop(self, seq: Sequence) -> str | None:
-        """The finish reason if ``seq``'s newest token ends it ("stop" or "length"), else None.
+    def match_stop_string(self, seq: Sequence) -> str | None:
+        """The stop string ``seq``'s output text now holds (the earliest), or None."""
+        if self.tokenizer is None:
+            return None
+        detokenizer = self.detokenizers.get(seq.seq_id)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(self.tokenizer,
+                                                 seq.sampling_params.skip_special_tokens)
+            self.detokenizers[seq.seq_id] = detokenizer
+        detokenizer.update(seq.output_token_ids)
+        return detokenizer.find_stop(seq.sampling_params.stop)
 
-        Sets ``seq.stop_reason`` to the stop token id or stop string that matched.
+    def make_output(self, request: Request, weight_version: int,
+                    finished: bool = True) -> RequestOutput:
+        """The ``RequestOutput`` of a request, completions in child order.
+
+        ``finished`` False gives an unfinished request's output so far (for streaming);
+        True also drops the request's detokenizers.
         """
-        params = seq.sampling_params
-        token = seq.token_ids[-1]
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if token in self.eos_token_ids and not params.ignore_eos:
-                return "stop"
-            matched = self._matched_stop_string(seq) if params.stop else None
-            if matched is not None:
-                seq.stop_reason = matched
-                return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def make_output(self, request: Request, weight_version: int) -> RequestOutput:
-        """The ``RequestOutput`` of a finished request, completions in child order."""
+        if finished:
+            for seq in request.seqs:
+                self.detokenizers.pop(seq.seq_id, None)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[self._completion(seq) for seq in request.seqs],
+            outputs=[self._completion(seq) for seq in request.seqs], finished=finished,
             weight_version=max((s.last_weight_version or 0 for s in request.seqs),
-                               default=weight_version))
+                               default=weight_version),
+            prompt_logprobs=_prompt_logprobs(request))
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         params = seq.sampling_params
@@ -65,18 +114,20 @@ class OutputProcessor:
         output = seq.output_token_ids
         if isinstance(seq.stop_reason, str):
             text = self._decode(seq, output)
-            return text[:text.find(seq.stop_reason)]
+            end = text.find(seq.stop_reason)
+            return text[:end] if end >= 0 else text
         if seq.finish_reason == "stop" and output:
             output = output[:-1]  # the EOS or stop token
         return self._decode(seq, output)
-
-    def _matched_stop_string(self, seq: Sequence) -> str | None:
-        text = self._decode(seq, seq.output_token_ids)
-        found = [(text.find(stop), stop) for stop in seq.sampling_params.stop if stop in text]
-        return min(found)[1] if found else None
 
     def _decode(self, seq: Sequence, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
+
+
+def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+    if request.sampling_params.prompt_logprobs is None:
+        return None
+    return [None, *request.seqs[0].prompt_logprobs]

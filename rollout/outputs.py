@@ -7,6 +7,21 @@ from typing import Any
 
 
 @dataclass(slots=True)
+class SamplerOutput:
+    """What the model runner returns for one step (plain lists, no tensors).
+
+    One sampled token per sampling row, its processed log-prob, and the top-k log-probs if
+    asked; ``prompt_logprobs`` maps a batch row to the prompt log-probs its chunk scored
+    (one dict per prompt position, see ``RequestOutput.prompt_logprobs``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion of a prompt.
 
@@ -33,6 +48,9 @@ class RequestOutput:
     """All completions of one prompt, in child order.
 
     ``weight_version`` is the newest weight version any of its tokens was sampled under.
+    ``prompt_logprobs`` (when the request asked, vLLM's shape) holds None for the first
+    prompt token, then for each later one a dict of its log-prob under the model given the
+    tokens before it (raw: no penalty, temperature or truncation) and the top k there.
     """
 
     request_id: str
@@ -41,6 +59,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     weight_version: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The output as plain JSON-ready data (``from_dict`` reads it back)."""
@@ -54,7 +73,10 @@ class RequestOutput:
             "top_logprobs": _int_keys(completion["top_logprobs"]),
             "weight_versions": _pair(completion["weight_versions"])})
             for completion in data["outputs"]]
-        return cls(**{**data, "outputs": outputs})
+        prompt_logprobs = data.get("prompt_logprobs")
+        if prompt_logprobs is not None:
+            prompt_logprobs = [None, *_int_keys(prompt_logprobs[1:])]
+        return cls(**{**data, "outputs": outputs, "prompt_logprobs": prompt_logprobs})
 
 
 def _int_keys(top_logprobs: list[dict[str, float]] | None) -> list[dict[int, float]] | None:

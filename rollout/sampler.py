@@ -9,20 +9,10 @@ argmax and report log-probs of the penalised logits at temperature 1, untruncate
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .outputs import SamplerOutput
 from .sequence import Sequence
-
-
-@dataclass(slots=True)
-class SamplerOutput:
-    """One sampled token per row, its processed log-prob, and the top-k log-probs if asked."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float] | None]
 
 
 class Sampler:
@@ -46,9 +36,25 @@ class Sampler:
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
         return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, seqs))
 
-    def release(self, seq_id: int) -> None:
-        """Forget the generator of a finished sequence."""
-        self.seq_generators.pop(seq_id, None)
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget the generators of finished sequences."""
+        for seq_id in seq_ids:
+            self.seq_generators.pop(seq_id, None)
+
+    @staticmethod
+    def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
+                        k: int) -> list[dict[int, float]]:
+        """Per row, the raw log-prob of ``target_ids[row]`` (the next prompt token) and the
+        top ``k`` (all of them for k beyond the vocabulary): the log-softmax of the model's
+        logits, in float32, nothing applied."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logprobs.gather(1, target_ids[:, None]).squeeze(1).tolist()
+        rows = [{token: logprob} for token, logprob in zip(target_ids.tolist(), chosen)]
+        if k:
+            values, indices = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+            for row, top_ids, top_values in zip(rows, indices.tolist(), values.tolist()):
+                row.update(zip(top_ids, top_values))
+        return rows
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):

@@ -15,7 +15,11 @@ class SamplingParams:
     ``frequency_penalty`` (over the output, 0 disables), ``max_tokens``, ``min_tokens`` (EOS and
     stop tokens are suppressed before it), ``stop`` strings, ``stop_token_ids``,
     ``ignore_eos``, ``seed`` (per-request generator), ``logprobs`` (None: none returned; 0: the
-    sampled token's processed log-prob; k > 0: also the top k) and ``skip_special_tokens``.
+    sampled token's processed log-prob; k > 0: also the top k), ``prompt_logprobs`` (None:
+    none; 0: each prompt token's log-prob under the model given the tokens before it, raw:
+    no penalty, temperature or truncation; k > 0: also the top k at each position; such a
+    prompt is computed in full, never served from the prefix cache) and
+    ``skip_special_tokens``.
 
     Raises:
         ValueError: on any value outside its range, naming the field and the valid range.
@@ -36,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -64,6 +69,8 @@ class SamplingParams:
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         _check(self.logprobs is None or self.logprobs >= 0, "logprobs", self.logprobs,
                "None, 0 (the sampled token) or k > 0 (also the top k)")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               self.prompt_logprobs, "None, 0 (each prompt token) or k > 0 (also the top k)")
 
     @property
     def greedy(self) -> bool:

@@ -1,20 +1,38 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step, and what each step did to them.
 
 The scheduler fills a token budget per step: running decodes first (one token each), then
 prefill chunks of admitted and waiting sequences, mixed in one step. When blocks run out it
 preempts the newest running sequence (recompute: its blocks are freed with their hashes
 kept, so its recompute hits the prefix cache). A group's prompt is prefilled once by its
-first sequence; when it completes, the other sequences fork from it. It never touches a
+first sequence; when it completes, the other sequences fork from it. After the step it
+appends each sampled token and decides every stop (EOS, stop ids, stop strings through the
+output processor's incremental detokenizer, max_tokens, max_model_len). It never touches a
 tensor; the model runner turns its ``ScheduledBatch`` into one.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .outputs import SamplerOutput
 from .sequence import Sequence, SequenceStatus
+
+StopStringMatcher = Callable[[Sequence], str | None]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """The decodes of one request and the first ``num_shared_blocks`` KV blocks they share.
+
+    ``members`` are their rows in the batch. Cascade attention scores the shared blocks
+    once for all members.
+    """
+
+    members: list[int]
+    num_shared_blocks: int
 
 
 @dataclass(slots=True)
@@ -23,18 +41,18 @@ class ScheduledBatch:
 
     The first ``num_decodes`` sequences are decodes (one token each); the rest are prefill
     chunks. A sequence samples a token when its chunk reaches its last token. ``copies`` are
-    the ``(source, destination)`` KV blocks to copy before the step (copy-on-write).
+    the ``(source, destination)`` KV blocks to copy before the step (copy-on-write);
+    ``decode_groups`` the decodes of each request and the leading blocks they share;
+    ``finished_seq_ids`` the sequences retired since the last step, whose per-sequence
+    state (seeded generators) the runner drops.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decodes: int = 0
     copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(self.num_new_tokens)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
 
     def samples(self, i: int) -> bool:
         """True when ``seqs[i]`` samples a token at the end of this step."""
@@ -50,23 +68,41 @@ class ScheduledBatch:
         return [[seq, *_live(seq.pending_children)]
                 for i, seq in enumerate(self.seqs) if self.samples(i)]
 
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Schedule ``num_new_tokens`` of ``seq``."""
+    def add(self, seq: Sequence, num_new_tokens: int, copy: tuple[int, int] | None) -> None:
+        """Schedule ``num_new_tokens`` of ``seq`` (after ``copy``, if any)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
+        if copy is not None:
+            self.copies.append(copy)
 
 
 class Scheduler:
-    """Admits, batches, preempts and retires sequences under a token and a block budget."""
+    """Admits, batches, preempts and retires sequences under a token and a block budget.
+
+    Args:
+        block_manager: the KV pool's bookkeeping.
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens computed in one step.
+        eos_token_ids: the model's end-of-sequence tokens.
+        max_model_len: the longest sequence.
+        match_stop_string: the stop string a sequence's newest text holds, if any (the
+            output processor's incremental detokenizer); asked only of requests with
+            stop strings.
+    """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, eos_token_ids: set[int], max_model_len: int,
+                 match_stop_string: StopStringMatcher) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.match_stop_string = match_stop_string
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
@@ -79,55 +115,67 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop to make room for an older sequence
-            if self._reserve_decode_slot(seq, batch):
-                batch.add(seq, 1)
-                budget -= 1
+            if seq.status is SequenceStatus.RUNNING and self._schedule_decode(batch, seq):
+                budget -= 1  # (not RUNNING: preempted earlier in this loop for an older one)
         batch.num_decodes = len(batch.seqs)
+        batch.decode_groups = self._decode_groups(batch.seqs)
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break
-            self._schedule_chunk(batch, seq, budget)
-            budget -= batch.num_new_tokens[-1]
-        while budget > 0 and self.waiting and self._admit(self.waiting[0]):
-            self._schedule_chunk(batch, self.waiting.popleft(), budget)
-            budget -= batch.num_new_tokens[-1]
+            budget -= self._schedule_chunk(batch, seq, budget)
+        while budget > 0 and self.waiting and self._can_admit(self.waiting[0]):
+            scheduled = self._schedule_chunk(batch, self.waiting[0], budget)
+            if not scheduled:
+                break
+            self._start(self.waiting.popleft())
+            budget -= scheduled
+        if batch.seqs:
+            batch.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return batch
 
-    def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> None:
-        chunk = min(seq.num_uncomputed_tokens, budget)
-        self.block_manager.register_full_blocks(seq, seq.num_computed_tokens + chunk)
-        batch.add(seq, chunk)
-
-    def _admit(self, seq: Sequence) -> bool:
-        """Give ``seq`` (and room for its group) blocks for all its tokens, cache hits first."""
-        group_size = 1 + len(seq.pending_children)
-        if len(self.running) + group_size > self.max_num_seqs:
-            return False
-        num_hit_tokens = self.block_manager.admit(seq)
-        if num_hit_tokens is None:
-            return False
-        seq.num_computed_tokens = num_hit_tokens
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        return True
-
-    def _reserve_decode_slot(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Make ``seq``'s next token writable, preempting the newest sequences if needed.
+    def _schedule_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:
+        """Schedule ``seq``'s next token, preempting the newest sequences for room.
 
         Returns False when ``seq`` itself had to be preempted.
         """
-        while not self.block_manager.can_append(seq, seq.num_tokens):
+        while (allocation := self.block_manager.allocate_slots(seq, 1)) is None:
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
                 return False
-        copy = self.block_manager.append(seq, seq.num_tokens)
-        if copy is not None:
-            batch.copies.append(copy)
-        self.block_manager.register_full_blocks(seq, seq.num_tokens)
+        batch.add(seq, 1, allocation.copy)
         return True
+
+    def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
+        """Schedule a prefill chunk of ``seq`` within ``budget``; the tokens scheduled (0:
+        the pool is short)."""
+        use_cache = not seq.needs_prompt_logprobs  # a cache hit has no logits to score
+        allocation = self.block_manager.allocate_slots(seq, budget, use_cache)
+        if allocation is None:
+            return 0
+        seq.num_computed_tokens += allocation.num_cached_tokens
+        batch.add(seq, allocation.num_new_tokens, allocation.copy)
+        return allocation.num_new_tokens
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """True when ``seq`` and the rest of its group fit under ``max_num_seqs``."""
+        return len(self.running) + 1 + len(seq.pending_children) <= self.max_num_seqs
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _decode_groups(self, decodes: list[Sequence]) -> list[DecodeGroup]:
+        """The decodes of each request, in order of first appearance, with the leading
+        blocks they share (none for a request with one decode)."""
+        rows_of: dict[str, list[int]] = {}
+        for row, seq in enumerate(decodes):
+            rows_of.setdefault(seq.request_id, []).append(row)
+        return [DecodeGroup(rows, self._num_shared_blocks([decodes[r] for r in rows]))
+                for rows in rows_of.values()]
+
+    def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
+        return self.block_manager.shared_prefix_blocks(seqs) if len(seqs) > 1 else 0
 
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and requeue it at the front; it is recomputed later."""
@@ -138,23 +186,52 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled_token_ids: list[int],
-               weight_version: int) -> list[Sequence]:
-        """Advance each scheduled sequence, fork completed group prompts, append tokens.
+    def update_from_output(self, batch: ScheduledBatch, output: SamplerOutput,
+                           weight_version: int) -> list[Sequence]:
+        """Advance each scheduled sequence, fork completed group prompts, append the sampled
+        tokens, and retire the sequences they end.
 
-        ``sampled_token_ids`` holds one token per sequence of ``batch.sampling_groups()``, in
-        that order. Returns the sequences that received a token, in the same order.
+        ``output`` holds one token per sequence of ``batch.sampling_groups()``, in that
+        order. Returns the sequences finished in this step.
         """
-        sampled: list[Sequence] = []
-        tokens = iter(sampled_token_ids)
+        finished: list[Sequence] = []
+        row = 0
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
             seq.num_computed_tokens += batch.num_new_tokens[i]
-            if samples:
-                for member in self._fork(seq):
-                    member.append_token(next(tokens), weight_version)
-                    sampled.append(member)
-        return sampled
+            seq.prompt_logprobs += output.prompt_logprobs.get(i, [])
+            if not samples:
+                continue
+            for member in self._fork(seq):
+                member.append_token(output.token_ids[row], output.logprobs[row],
+                                    output.top_logprobs[row], weight_version)
+                row += 1
+                finish_reason = self._stop_reason(member)
+                if finish_reason is not None:
+                    self.finish(member, finish_reason)
+                    finished.append(member)
+        return finished
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """The finish reason if ``seq``'s newest token ends it ("stop" or "length"), else None.
+
+        Sets ``seq.stop_reason`` to the stop token id or stop string that matched.
+        """
+        params = seq.sampling_params
+        token = seq.token_ids[-1]
+        if seq.num_output_tokens >= params.min_tokens:
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return "stop"
+            matched = self.match_stop_string(seq) if params.stop else None
+            if matched is not None:
+                seq.stop_reason = matched
+                return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Start ``parent``'s pending children on its blocks; return the whole group."""
@@ -177,6 +254,7 @@ class Scheduler:
         # a FORK_PENDING child holds nothing; its parent will skip it
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
+        self._finished_seq_ids.append(seq.seq_id)
 
 
 def _live(seqs: list[Sequence]) -> list[Sequence]:

@@ -30,7 +30,8 @@ class Sequence:
     physical KV blocks that hold them, in order. A sequence whose remaining uncomputed
     tokens are all scheduled in one step samples a new token at the end of that step.
 
-    ``block_hashes`` are the prefix-cache hashes of its full blocks, in order. The first
+    ``block_hashes`` are the prefix-cache hashes of its full blocks, in order;
+    ``prompt_logprobs`` the prompt positions scored so far (when asked). The first
     sequence of a group carries the others in ``pending_children`` until its prompt is
     prefilled; then they fork from it, sharing its blocks.
     """
@@ -49,6 +50,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     first_weight_version: int | None = None
@@ -79,9 +81,21 @@ class Sequence:
         """True once a stop condition ended the sequence or it was aborted."""
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, weight_version: int) -> None:
-        """Append a sampled token and record the weight version it was sampled under."""
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while the request asked for prompt log-probs and this sequence, the one that
+        prefills the prompt, has not scored every prompt position yet."""
+        return (self.sampling_params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None,
+                     weight_version: int) -> None:
+        """Append a sampled token with its log-probs and the weight version it was sampled
+        under."""
         self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.top_logprobs.append(top_logprobs)
         if self.first_weight_version is None:
             self.first_weight_version = weight_version
         self.last_weight_version = weight_version

@@ -6,6 +6,7 @@ before Triton is first imported: here, before any test module imports anything.
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -102,3 +103,38 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 def llama_dir(model_dir) -> Path:
     """The tiny Llama folder."""
     return model_dir("llama")
+
+
+TOKENIZING = ("encode", "__call__", "apply_chat_template", "encode_plus", "batch_encode_plus")
+
+
+class CountingTokenizer:
+    """A tokenizer that counts each call of it that tokenizes, by method."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.tokenizer, name)
+        if name not in TOKENIZING:
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attribute(*args, **kwargs)
+
+        return counted
+
+    def __call__(self, *args, **kwargs):
+        self.calls["__call__"] += 1
+        return self.tokenizer(*args, **kwargs)
+
+
+def count_tokenizations(engine, monkeypatch: pytest.MonkeyPatch) -> CountingTokenizer:
+    """Swap ``engine``'s tokenizer (where prompts are tokenized) for a counting one."""
+    assert engine.tokenizer is engine.input_processor.tokenizer
+    tokenizer = CountingTokenizer(engine.tokenizer)
+    monkeypatch.setattr(engine, "tokenizer", tokenizer)
+    monkeypatch.setattr(engine.input_processor, "tokenizer", tokenizer)
+    return tokenizer

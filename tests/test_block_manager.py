@@ -1,8 +1,11 @@
-"""Block manager invariants under random admit / append / fork / free / preempt / evict.
+"""Block manager invariants under random admission, chunked prefill, decode growth, fork,
+free, preemption, eviction and weight updates.
 
-The machine keeps its own model of the pool's content (which token each slot holds), written
-only where the block manager says a sequence may write, and checks every cache hit and every
-cached hash against it.
+The machine keeps its own model of the pool, independent of the block manager's hashing:
+which token each slot holds, written only where the block manager says a sequence may
+write, and, for each full block, the whole prefix (from the first token) and the weight
+version it was computed under. Every cache hit must serve a block whose recorded prefix and
+version equal the sequence's own.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.rollout.block_manager import BlockManager, block_hash, num_blocks_for
+from tandem.rollout.block_manager import BlockManager, num_blocks_for
 from tandem.rollout.sampling_params import SamplingParams
 from tandem.rollout.sequence import Sequence
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 4
 # A three-letter alphabet makes shared prefixes, and so cache hits, common.
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=3 * BLOCK_SIZE + 1)
+BUDGETS = st.integers(1, 3 * BLOCK_SIZE + 1)
 
 
 def make_seq(seq_id: int, token_ids: list[int]) -> Sequence:
@@ -34,10 +38,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.version = 0
         self.seqs: list[Sequence] = []
         self.content: dict[int, list[int | None]] = {
             b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
-        self.tokens_of_hash: dict[int, tuple[int, ...]] = {}
+        self.prefix_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.next_id = 0
 
     def write(self, seq: Sequence, start: int, end: int) -> None:
@@ -45,56 +50,63 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for position in range(start, end):
             block_id = seq.block_table[position // BLOCK_SIZE]
             assert self.manager.blocks[block_id].ref_count == 1, "write into a shared block"
-            self.content[block_id][position % BLOCK_SIZE] = seq.token_ids[position]
+            offset = position % BLOCK_SIZE
+            if offset == 0:
+                self.prefix_of_block.pop(block_id, None)
+            self.content[block_id][offset] = seq.token_ids[position]
+            if offset == BLOCK_SIZE - 1:
+                self.prefix_of_block[block_id] = (self.version,
+                                                  tuple(seq.token_ids[:position + 1]))
         seq.num_computed_tokens = end
 
-    def register(self, seq: Sequence, num_tokens: int) -> None:
-        self.manager.register_full_blocks(seq, num_tokens)
-        parent = None
-        for index in range(num_tokens // BLOCK_SIZE):
-            tokens = tuple(seq.token_ids[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE])
-            parent = block_hash(parent, self.manager.extra_key, tokens)
-            self.tokens_of_hash[parent] = tokens
-
-    def admit_and_prefill(self, seq: Sequence) -> bool:
+    def allocate_and_compute(self, seq: Sequence, budget: int) -> bool:
+        """One scheduled step of ``seq``: allocate, check any cache hit, copy, compute."""
+        admitting = not seq.block_table
         free_before = self.manager.num_free_blocks
-        num_hit_tokens = self.manager.admit(seq)
-        if num_hit_tokens is None:
-            assert self.manager.num_free_blocks == free_before and seq.block_table == []
+        allocation = self.manager.allocate_slots(seq, budget)
+        if allocation is None:
+            assert self.manager.num_free_blocks == free_before
+            assert (seq.block_table == []) == admitting
             return False
-        assert num_hit_tokens % BLOCK_SIZE == 0 and num_hit_tokens < seq.num_tokens
-        for position in range(num_hit_tokens):
-            block_id = seq.block_table[position // BLOCK_SIZE]
-            assert self.content[block_id][position % BLOCK_SIZE] == seq.token_ids[position]
-        self.register(seq, seq.num_tokens)
-        self.write(seq, num_hit_tokens, seq.num_tokens)
-        self.seqs.append(seq)
+        cached = allocation.num_cached_tokens
+        assert cached % BLOCK_SIZE == 0 and cached < seq.num_tokens
+        assert cached == 0 or admitting
+        for index in range(cached // BLOCK_SIZE):
+            expected = (self.version, tuple(seq.token_ids[:(index + 1) * BLOCK_SIZE]))
+            assert self.prefix_of_block[seq.block_table[index]] == expected
+        if allocation.copy is not None:
+            source, destination = allocation.copy
+            self.content[destination] = list(self.content[source])
+        start = seq.num_computed_tokens + cached
+        assert 1 <= allocation.num_new_tokens <= min(budget, seq.num_tokens - start)
+        self.write(seq, start, start + allocation.num_new_tokens)
         return True
 
-    @rule(token_ids=TOKENS)
-    def admit(self, token_ids: list[int]) -> None:
+    @rule(token_ids=TOKENS, budget=BUDGETS)
+    def admit(self, token_ids: list[int], budget: int) -> None:
         self.next_id += 1
-        self.admit_and_prefill(make_seq(self.next_id, token_ids))
+        seq = make_seq(self.next_id, token_ids)
+        if self.allocate_and_compute(seq, budget):
+            self.seqs.append(seq)
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: any(s.num_uncomputed_tokens for s in self.seqs))
+    @rule(data=st.data(), budget=BUDGETS)
+    def continue_prefill(self, data: st.DataObject, budget: int) -> None:
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s.num_uncomputed_tokens]))
+        assert self.allocate_and_compute(seq, budget), "a running prefill holds its blocks"
+
+    @precondition(lambda self: any(not s.num_uncomputed_tokens for s in self.seqs))
     @rule(data=st.data(), token=st.integers(0, 2))
-    def append(self, data: st.DataObject, token: int) -> None:
-        seq = data.draw(st.sampled_from(self.seqs))
+    def decode(self, data: st.DataObject, token: int) -> None:
+        seq = data.draw(st.sampled_from([s for s in self.seqs if not s.num_uncomputed_tokens]))
         seq.token_ids.append(token)
-        if not self.manager.can_append(seq, seq.num_tokens):
+        if not self.allocate_and_compute(seq, 1):
             seq.token_ids.pop()
-            return
-        copy = self.manager.append(seq, seq.num_tokens)
-        if copy is not None:
-            source, destination = copy
-            self.content[destination] = list(self.content[source])
-        self.register(seq, seq.num_tokens)
-        self.write(seq, seq.num_tokens - 1, seq.num_tokens)
 
-    @precondition(lambda self: self.seqs)
+    @precondition(lambda self: any(not s.num_uncomputed_tokens for s in self.seqs))
     @rule(data=st.data())
     def fork(self, data: st.DataObject) -> None:
-        parent = data.draw(st.sampled_from(self.seqs))
+        parent = data.draw(st.sampled_from([s for s in self.seqs if not s.num_uncomputed_tokens]))
         self.next_id += 1
         child = make_seq(self.next_id, parent.token_ids)
         self.manager.fork(parent, child)
@@ -114,16 +126,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.drop(data)
 
     @precondition(lambda self: self.seqs)
-    @rule(data=st.data())
-    def preempt_and_readmit(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), budget=BUDGETS)
+    def preempt_and_readmit(self, data: st.DataObject, budget: int) -> None:
         seq = self.drop(data)
         seq.num_computed_tokens = 0
-        self.admit_and_prefill(seq)
+        if self.allocate_and_compute(seq, budget):
+            self.seqs.append(seq)
 
     @rule()
     def reset_prefix_cache(self) -> None:
         self.manager.reset_prefix_cache()
         assert self.manager.num_cached_free_blocks == 0
+
+    @rule()
+    def update_weights(self) -> None:
+        self.version += 1
+        self.manager.extra_key = (self.version, None)
 
     @invariant()
     def reference_counts_match_holders(self) -> None:
@@ -135,15 +153,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert [block.ref_count for block in self.manager.blocks] == holders
         free = set(self.manager.free_block_ids) | set(self.manager.untouched_block_ids)
         assert len(free) == self.manager.num_free_blocks
-        assert free == {b for b in range(NUM_BLOCKS)
-                                                    if holders[b] == 0}
+        assert free == {b for b in range(NUM_BLOCKS) if holders[b] == 0}
 
     @invariant()
-    def cached_hashes_point_at_their_tokens(self) -> None:
-        for hash_value, block_id in self.manager.cached_block_ids.items():
+    def cached_blocks_hold_full_recorded_content(self) -> None:
+        for block_id in self.manager.cached_block_ids.values():
             block = self.manager.blocks[block_id]
-            assert block.block_hash == hash_value
-            assert tuple(self.content[block_id]) == self.tokens_of_hash[hash_value]
+            assert block_id in self.prefix_of_block
+            assert block.token_ids == tuple(self.content[block_id])
+            assert self.prefix_of_block[block_id][1][-BLOCK_SIZE:] == block.token_ids
 
     @invariant()
     def sequences_see_their_own_tokens(self) -> None:
@@ -166,7 +184,7 @@ TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, d
 def test_double_free_is_refused():
     manager = BlockManager(4, BLOCK_SIZE)
     seq = make_seq(0, [1, 2, 3])
-    manager.admit(seq)
+    manager.allocate_slots(seq, seq.num_tokens)
     table = list(seq.block_table)
     manager.free(seq)
     seq.block_table = table
@@ -174,19 +192,41 @@ def test_double_free_is_refused():
         manager.free(seq)
 
 
+def test_short_pool_refuses_allocation_and_changes_nothing():
+    manager = BlockManager(2, BLOCK_SIZE)
+    seq = make_seq(0, list(range(3 * BLOCK_SIZE)))
+    assert manager.allocate_slots(seq, seq.num_tokens) is None
+    assert seq.block_table == [] and manager.num_free_blocks == 2
+    assert manager.num_queried_tokens == 0
+
+
 def test_eviction_takes_least_recently_freed_block_chain_tail_first():
     manager = BlockManager(5, BLOCK_SIZE)
     seq = make_seq(0, list(range(3 * BLOCK_SIZE)))
-    manager.admit(seq)
-    manager.register_full_blocks(seq, seq.num_tokens)
+    manager.allocate_slots(seq, seq.num_tokens)
     head, middle, tail = seq.block_table
     manager.free(seq)
     assert manager.num_cached_free_blocks == 3
     other = make_seq(1, [99] * BLOCK_SIZE)
-    assert manager.admit(other) == 0
+    assert manager.allocate_slots(other, other.num_tokens).num_cached_tokens == 0
     assert other.block_table == [tail]  # freed blocks before untouched ones, the tail first
     assert manager.num_cached_free_blocks == 2
     again = make_seq(2, list(range(3 * BLOCK_SIZE)))
-    assert manager.admit(again) == 2 * BLOCK_SIZE
+    assert manager.allocate_slots(again, again.num_tokens).num_cached_tokens == 2 * BLOCK_SIZE
     assert again.block_table[:2] == [head, middle]
     assert again.block_table[2] == 3 and manager.untouched_block_ids == deque([4])
+
+
+def test_group_decodes_share_their_full_prompt_blocks():
+    manager = BlockManager(8, BLOCK_SIZE)
+    parent = make_seq(0, list(range(2 * BLOCK_SIZE + 1)))
+    manager.allocate_slots(parent, parent.num_tokens)
+    parent.num_computed_tokens = parent.num_tokens
+    child = make_seq(1, parent.token_ids)
+    manager.fork(parent, child)
+    child.num_computed_tokens = parent.num_computed_tokens
+    for seq, token in ((parent, 7), (child, 8)):
+        seq.token_ids.append(token)
+        manager.allocate_slots(seq, 1)
+    assert manager.shared_prefix_blocks([parent, child]) == 2
+    assert parent.block_table[2] != child.block_table[2]  # the partial block was copied

@@ -1,14 +1,18 @@
-"""The runner's cascade layout against plain paged attention, on random decode batches."""
+"""Cascade attention over decode groups against plain paged attention, on random decode
+batches: the groups' shared blocks as the block manager finds them, laid out by
+``cascade_layout``."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, pool_layout
-from tandem.rollout import EngineConfig, LLMEngine, SamplingParams
+from tandem.rollout import SamplingParams
+from tandem.rollout.attention_layout import cascade_layout
+from tandem.rollout.block_manager import BlockManager, num_blocks_for
+from tandem.rollout.scheduler import DecodeGroup, ScheduledBatch
 from tandem.rollout.sequence import Sequence
 
 BLOCK_SIZE = 16
@@ -21,11 +25,6 @@ requests = st.lists(
     min_size=1, max_size=6)
 
 
-@pytest.fixture(scope="module")
-def runner(llama_dir):
-    return LLMEngine(EngineConfig(model=str(llama_dir), block_size=BLOCK_SIZE)).runner
-
-
 def decode_batch(spec: list[tuple[int, list[int]]]) -> list[Sequence]:
     """Decodes whose block tables share each request's full prompt blocks (as a fork does);
     every other block is a sequence's own."""
@@ -35,7 +34,7 @@ def decode_batch(spec: list[tuple[int, list[int]]]) -> list[Sequence]:
         shared = [next(free) for _ in range(prompt_len // BLOCK_SIZE)]
         for extra in extra_lens:
             num_tokens = prompt_len + extra
-            own = [next(free) for _ in range(-(-num_tokens // BLOCK_SIZE) - len(shared))]
+            own = [next(free) for _ in range(num_blocks_for(num_tokens, BLOCK_SIZE) - len(shared))]
             decodes.append(Sequence(
                 seq_id=len(decodes), request_id=str(r), index=0, token_ids=[1] * num_tokens,
                 num_prompt_tokens=prompt_len, sampling_params=SamplingParams(),
@@ -45,8 +44,16 @@ def decode_batch(spec: list[tuple[int, list[int]]]) -> list[Sequence]:
 
 @settings(max_examples=40, deadline=None)
 @given(spec=requests)
-def test_cascade_layout_attends_exactly_each_decodes_context(runner, spec):
+def test_cascade_layout_attends_exactly_each_decodes_context(spec):
     decodes = decode_batch(spec)
+    manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+    batch = ScheduledBatch(seqs=decodes, num_new_tokens=[1] * len(decodes),
+                           num_decodes=len(decodes))
+    for r in range(len(spec)):
+        rows = [d for d, seq in enumerate(decodes) if seq.request_id == str(r)]
+        num_shared = manager.shared_prefix_blocks([decodes[d] for d in rows])
+        assert num_shared == (spec[r][0] // BLOCK_SIZE if len(rows) > 1 else num_shared)
+        batch.decode_groups.append(DecodeGroup(rows, num_shared if len(rows) > 1 else 0))
     context_lens = torch.tensor([seq.num_tokens for seq in decodes])
     tables = [seq.block_table for seq in decodes]
     width = max(map(len, tables))
@@ -61,7 +68,7 @@ def test_cascade_layout_attends_exactly_each_decodes_context(runner, spec):
                         .permute(order) for _ in range(2))
     query = torch.randn(len(decodes), 6, 8, generator=generator, dtype=torch.float64)
     plain = TORCH_OPS.paged_attention(query, k_cache, v_cache, metadata, 0.3)
-    metadata.cascade = runner._cascade_layout(decodes)
+    metadata.cascade = cascade_layout(batch, BLOCK_SIZE, torch.device("cpu"))
     cascade = TORCH_OPS.paged_attention(query, k_cache, v_cache, metadata, 0.3)
     assert torch.allclose(cascade, plain, rtol=1e-12, atol=1e-12)
     layout = metadata.cascade

@@ -3,6 +3,8 @@ separate trainer process while other clients generate."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -39,6 +41,16 @@ def trainer_process(url: str, folder: str, conn: Connection) -> None:
             conn.send(client.update_weights(tensors.items()))
         except WeightUpdateError as exc:
             conn.send(f"refused: {exc}")
+
+
+SERVE_EXTRA = ("fastapi", "uvicorn", "pydantic", "starlette")
+
+
+def test_client_and_server_config_import_without_the_serve_extra():
+    blocked = "".join(f"sys.modules[{name!r}] = None\n" for name in SERVE_EXTRA)
+    script = ("import sys\n" + blocked + "import tandem.rollout.serving.client\n"
+              "import tandem.rollout.serving.config\nimport tandem.rollout.client\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
 def test_generate_returns_what_llm_generate_returns(llama_dir):

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.default_model import DEFAULT_MODEL, embedded_model_dir
 
-from .test_models import engine_prompt_logits, hf_greedy
+from .test_models import check_prompt_logprobs, hf_greedy
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["What is 2+3?", "If I have 7 apples and eat 2, how many are left?",
@@ -17,7 +17,7 @@ QUESTIONS = ["What is 2+3?", "If I have 7 apples and eat 2, how many are left?",
 
 
 def test_embedded_model_greedy_and_logits_match_transformers():
-    llm = LLM(DEFAULT_MODEL, enable_prefix_caching=False)  # logits of every prompt token
+    llm = LLM(DEFAULT_MODEL)
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                              add_generation_prompt=True, tokenize=True,
@@ -28,7 +28,4 @@ def test_embedded_model_greedy_and_logits_match_transformers():
     hf_model = AutoModelForCausalLM.from_pretrained(embedded_model_dir(), dtype=torch.float32)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)
-    for prompt, logits in zip(prompts, engine_prompt_logits(llm, prompts)):
-        with torch.no_grad():
-            reference = hf_model(torch.tensor([prompt])).logits[0]
-        assert (logits - reference).abs().max().item() < 1e-4
+    check_prompt_logprobs(llm, hf_model, prompts, k=20)

@@ -8,6 +8,8 @@ import pytest
 
 from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
 
+from .conftest import count_tokenizations
+
 
 @pytest.fixture(scope="module")
 def llm(llama_dir) -> LLM:
@@ -184,3 +186,17 @@ def test_glibc_accepts_the_malloc_settings():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")
     assert keep_freed_memory()
+
+
+def test_each_prompt_is_tokenized_once_offline(llm, monkeypatch):
+    tokenizer = count_tokenizations(llm.engine, monkeypatch)
+    llm.generate(["What is 2+3?", "Seven", "x"], SamplingParams(n=2, max_tokens=2),
+                 use_tqdm=False)
+    assert dict(tokenizer.calls) == {"encode": 3}
+    tokenizer.calls.clear()
+    llm.chat([[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Yo"}]],
+             SamplingParams(max_tokens=2), use_tqdm=False)
+    assert dict(tokenizer.calls) == {"apply_chat_template": 2}
+    tokenizer.calls.clear()
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not tokenizer.calls

@@ -65,9 +65,9 @@ def test_second_request_hits_shared_prefix_and_computes_only_the_rest(llama_dir)
     while engine.has_unfinished_requests():
         engine.step()
     engine.add_request("second", shared + prompt_of(21, 2), greedy)
-    batch = engine.scheduler.schedule()
-    assert batch.num_new_tokens == [21]
+    engine.step()
     assert engine.stats()["prefix_cache_hit_tokens"] == 64
+    assert engine.stats()["prefix_cache_queried_tokens"] == 2 * 64 + 10 + 21
     engine.abort_request("second")
 
     cached = LLM(str(llama_dir))
@@ -103,33 +103,36 @@ def test_n_above_max_num_seqs_is_refused(llama_dir):
 
 
 def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeypatch):
+    """The scheduler hands the runner each request's decodes and the prompt blocks they
+    share (the fork's full blocks, the same physical blocks), and generation is the same
+    as each request alone."""
     engine = LLMEngine(EngineConfig(model=str(llama_dir)))
-    runner = engine.runner
+    execute = engine.runner.execute
     seen = []
 
-    def spy(decodes):
-        layout = build(decodes)
-        seen.append(([seq.block_table[:] for seq in decodes], layout))
-        return layout
+    def spy(batch):
+        decodes = batch.seqs[:batch.num_decodes]
+        seen.append([([decodes[r].request_id for r in g.members], g.num_shared_blocks,
+                      [decodes[r].block_table[:g.num_shared_blocks] for r in g.members])
+                     for g in batch.decode_groups])
+        return execute(batch)
 
-    build = runner._cascade_layout
-    monkeypatch.setattr(runner, "_cascade_layout", spy)
-    engine.add_request("group", prompt_of(40), SamplingParams(n=4, max_tokens=30, seed=1))
-    engine.add_request("alone", prompt_of(40, 1), SamplingParams(max_tokens=30, seed=1))
+    monkeypatch.setattr(engine.runner, "execute", spy)
+    group, alone = SamplingParams(n=4, max_tokens=30, seed=1), SamplingParams(max_tokens=30,
+                                                                                seed=1)
+    engine.add_request("group", prompt_of(40), group)
+    engine.add_request("alone", prompt_of(40, 1), alone)
+    outputs = {}
     while engine.has_unfinished_requests():
-        engine.step()
-    tables, layout = next((t, c) for t, c in seen if c.shared is not None and len(t) == 5)
-    members = layout.members[0].tolist()
-    alone = next(d for d in range(5) if d not in members)
-    assert sorted(members) == [d for d in range(5) if d != alone]
-    assert layout.members[1].tolist() == [alone] * 4
-    assert layout.member_slots.tolist() == [members.index(d) if d != alone else 4
-                                            for d in range(5)]
-    runs = layout.shared.block_ids.view(2, -1).tolist()
-    masked = layout.shared.bias < 0
-    assert masked.sum(1).tolist() == [0, 32] and layout.shared.bias.shape == (2, 32)
-    own_runs = layout.own.block_ids.view(5, -1).tolist()
-    for d, table in enumerate(tables):
-        shared = runs[0] if d != alone else []
-        assert shared + own_runs[d][:len(table) - len(shared)] == table
+        outputs |= {o.request_id: o for o in engine.step()}
+    full = next(groups for groups in seen if sum(len(g[0]) for g in groups) == 5)
+    (ids, num_shared, tables), (alone_ids, alone_shared, _) = full
+    assert ids == ["group"] * 4 and num_shared == 40 // 16 and alone_ids == ["alone"]
+    assert all(table == tables[0] for table in tables) and alone_shared == 0
     assert engine.stats()["kv_blocks_used"] == 0
+    llm = LLM(str(llama_dir))
+    for request_id, prompt, params in (("group", prompt_of(40), group),
+                                       ("alone", prompt_of(40, 1), alone)):
+        reference = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert [c.token_ids for c in outputs[request_id].outputs] == [
+            c.token_ids for c in reference.outputs]

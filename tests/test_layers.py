@@ -1,71 +1,120 @@
-"""Layer kernels (RMSNorm, rotary, SiLU-and-mul), both backends, against float64 references."""
+"""Layer kernels (RMSNorm, rotary, SiLU-and-mul), both backends, against transformers' modules.
+
+The references are transformers' own: ``LlamaRMSNorm``, ``apply_rotary_pos_emb`` with the
+tables of ``LlamaRotaryEmbedding``, and ``ACT2FN["silu"]``, each run in float32 on the same
+inputs (upcast when those are half precision).
+"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import (
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
-from tandem.kernels import TORCH_OPS
+from tandem.kernels.testing import TOLERANCE, kernel_backends, relative_error
+from tandem.rollout.models.llama import head_dim_of
+from tandem.rollout.models.rotary import RotaryEmbedding
 
-from .kernel_checks import BACKENDS, TOLERANCE, relative_error
+# On a CPU the Triton kernels run in Triton's interpreter (conftest switches it on).
+BACKENDS = kernel_backends(torch.device("cpu"))
+MAX_POSITION = 512
+# Head geometries that hit the kernels' edges (a head_dim whose half is no power of two, a
+# single KV head); rope types default (two thetas), llama3 and yarn (an attention scaling),
+# with positions on both sides of the scaled ones' original context.
+ROPE_CONFIGS = {
+    "llama default theta": LlamaConfig(hidden_size=128, num_attention_heads=4,
+                                       num_key_value_heads=4),
+    "qwen3 theta 1e6": Qwen3Config(hidden_size=64, num_attention_heads=6, num_key_value_heads=2,
+                                   head_dim=48, rope_parameters={"rope_type": "default",
+                                                                 "rope_theta": 1e6}),
+    "llama3 scaling": LlamaConfig(
+        hidden_size=512, num_attention_heads=8, num_key_value_heads=1, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "yarn scaling": Qwen3Config(
+        hidden_size=64, num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=MAX_POSITION, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+            "original_max_position_embeddings": 128}),
+}
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def rotary_tables(max_position: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half cos/sin tables, as ``RotaryEmbedding`` builds them."""
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    angles = torch.outer(torch.arange(max_position).float(), inv_freq).repeat(1, 2)
-    return angles.cos(), angles.sin()
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm`` with ``weight`` applied to ``x``, in float32."""
+    norm = LlamaRMSNorm(x.shape[-1], eps)
+    with torch.no_grad():
+        norm.weight.copy_(weight.float())
+        return norm(x.float())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
-@pytest.mark.parametrize("shape", [(5, 48), (3, 4, 32), (1, 64)])
-def test_rms_norm_matches_float64(backend, dtype, shape):
+@pytest.mark.parametrize("shape", [(1, 64), (7, 33), (3, 4, 32)], ids=str)
+def test_rms_norm_matches_transformers(backend, dtype, shape):
     x, weight = randn(*shape, dtype=dtype, seed=0), randn(shape[-1], dtype=dtype, seed=1)
     out = BACKENDS[backend].rms_norm(x, weight, 1e-6)
-    reference = TORCH_OPS.rms_norm(x.double(), weight.double(), 1e-6)
     assert out.dtype == dtype and out.shape == x.shape
-    assert relative_error(out, reference) < TOLERANCE[dtype]
+    assert relative_error(out, hf_rms_norm(x, weight, 1e-6)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
-def test_rms_norm_with_residual_returns_normed_sum_and_sum(backend, dtype):
-    x, residual = randn(7, 48, dtype=dtype, seed=0), randn(7, 48, dtype=dtype, seed=2)
-    weight = randn(48, dtype=dtype, seed=1)
+@pytest.mark.parametrize("shape", [(1, 64), (7, 33)], ids=str)
+def test_rms_norm_with_residual_normalises_the_sum_and_returns_it(backend, dtype, shape):
+    x, residual = randn(*shape, dtype=dtype, seed=0), randn(*shape, dtype=dtype, seed=2)
+    weight = randn(shape[-1], dtype=dtype, seed=1)
     out, summed = BACKENDS[backend].rms_norm(x, weight, 1e-5, residual)
-    ref_out, ref_sum = TORCH_OPS.rms_norm(x.double(), weight.double(), 1e-5, residual.double())
-    assert relative_error(summed, ref_sum) < TOLERANCE[dtype]
-    assert relative_error(out, ref_out) < TOLERANCE[dtype]
-    assert torch.equal(x, randn(7, 48, dtype=dtype, seed=0))  # inputs untouched
+    reference_sum = x.float() + residual.float()
+    assert relative_error(summed, reference_sum) < TOLERANCE[dtype]
+    assert relative_error(out, hf_rms_norm(reference_sum, weight, 1e-5)) < TOLERANCE[dtype]
+    assert torch.equal(x, randn(*shape, dtype=dtype, seed=0))
+    assert torch.equal(residual, randn(*shape, dtype=dtype, seed=2))
+
+
+def hf_rotary(config: PretrainedConfig, positions: torch.Tensor, query: torch.Tensor,
+              key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query`` and ``key`` ``[tokens, heads, head_dim]`` rotated by transformers, in
+    float32."""
+    query, key = query.float()[None], key.float()[None]
+    cos, sin = LlamaRotaryEmbedding(config)(query, positions[None])
+    rotated = apply_rotary_pos_emb(query, key, cos, sin, unsqueeze_dim=2)
+    return rotated[0][0], rotated[1][0]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 32), (6, 2, 48), (8, 1, 64)])
-def test_rotary_embedding_rotates_query_and_key_in_place(backend, dtype, num_heads,
-                                                         num_kv_heads, head_dim):
-    cos, sin = rotary_tables(200, head_dim)
-    positions = torch.tensor([0, 1, 17, 199, 64, 5])
-    query = randn(6, num_heads, head_dim, dtype=dtype, seed=0)
-    key = randn(6, num_kv_heads, head_dim, dtype=dtype, seed=1)
-    ref_query, ref_key = query.double(), key.double()
-    TORCH_OPS.rotary_embedding(positions, ref_query, ref_key, cos.double(), sin.double())
-    BACKENDS[backend].rotary_embedding(positions, query, key, cos, sin)
+@pytest.mark.parametrize("config_name", ROPE_CONFIGS)
+@pytest.mark.parametrize("positions", [[300], [0, 1, 17, 511, 64, 130]], ids=len)
+def test_rotary_embedding_in_place_matches_transformers(backend, dtype, config_name, positions):
+    config = ROPE_CONFIGS[config_name]
+    head_dim, positions = head_dim_of(config), torch.tensor(positions)
+    tables = RotaryEmbedding(config, head_dim, MAX_POSITION, torch.device("cpu"))
+    query = randn(len(positions), config.num_attention_heads, head_dim, dtype=dtype, seed=0)
+    key = randn(len(positions), config.num_key_value_heads, head_dim, dtype=dtype, seed=1)
+    ref_query, ref_key = hf_rotary(config, positions, query, key)
+    BACKENDS[backend].rotary_embedding(positions, query, key, tables.cos, tables.sin)
+    assert query.dtype == dtype and key.dtype == dtype
     assert relative_error(query, ref_query) < TOLERANCE[dtype]
     assert relative_error(key, ref_key) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
-@pytest.mark.parametrize("shape", [(7, 100), (1, 2048), (3, 1)])
-def test_silu_and_mul_matches_float64(backend, dtype, shape):
+@pytest.mark.parametrize("shape", [(1, 1), (7, 99), (1, 1025)], ids=str)
+def test_silu_and_mul_matches_transformers_silu_times_up(backend, dtype, shape):
+    # 1025 elements: one Triton block and one more.
     gate, up = randn(*shape, dtype=dtype, seed=0), randn(*shape, dtype=dtype, seed=1)
     out = BACKENDS[backend].silu_and_mul(gate, up)
-    reference = TORCH_OPS.silu_and_mul(gate.double(), up.double())
+    reference = ACT2FN["silu"](gate.float()) * up.float()
     assert out.dtype == dtype and out.shape == gate.shape
     assert relative_error(out, reference) < TOLERANCE[dtype]

@@ -1,13 +1,12 @@
-"""Greedy output and prompt logits against Hugging Face transformers, per architecture."""
+"""Greedy output and prompt log-probs against Hugging Face transformers, per architecture."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.scheduler import ScheduledBatch
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "llama3-rope", "linear-rope",
                  "yarn-rope"]
@@ -39,34 +38,49 @@ def test_greedy_batch_matches_transformers_per_prompt(model_dir, kind):
         assert output.outputs[0].finish_reason == "length"
 
 
-def engine_prompt_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits of every prompt position, all prompts prefilled in one step.
-
-    The engine must run without prefix caching, or shared prefixes would be skipped.
-    """
-    engine = llm.engine
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"logits-{i}", prompt, SamplingParams(max_tokens=1))
-    batch: ScheduledBatch = engine.scheduler.schedule()
-    assert len(batch.seqs) == len(prompts) and batch.num_decodes == 0
-    logits = engine.runner.prompt_logits(batch)
-    for i in range(len(prompts)):
-        engine.abort_request(f"logits-{i}")
-    return list(logits.split([len(p) for p in prompts]))
+def check_prompt_logprobs(llm: LLM, hf_model, prompts: list[list[int]], k: int,
+                          max_tokens: int = 1) -> None:
+    """The public ``prompt_logprobs`` (every prompt in one call) against transformers'
+    log-softmax: each prompt token's log-prob given the tokens before it, and the top k."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=k)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+        assert output.prompt_logprobs[0] is None and len(output.prompt_logprobs) == len(prompt)
+        for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            expected = reference[position - 1]
+            top = set(expected.topk(k).indices.tolist()) if k else set()
+            assert set(entry) == top | {prompt[position]}
+            ours = torch.tensor(list(entry.values()))
+            assert (ours - expected[list(entry)]).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
-def test_prompt_logits_match_transformers_forward(model_dir, kind):
+def test_prompt_logprobs_match_transformers_forward(model_dir, kind):
     folder = model_dir(kind)
-    llm = LLM(str(folder), enable_prefix_caching=False)
-    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-    logits = engine_prompt_logits(llm, prompts)
+    llm = LLM(str(folder))
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
     hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    for prompt, ours in zip(prompts, logits):
-        with torch.no_grad():
-            reference = hf_model(torch.tensor([prompt])).logits[0]
-        assert (ours - reference).abs().max().item() < 1e-4
+    check_prompt_logprobs(llm, hf_model, prompts, k=hf_model.config.vocab_size)  # all of it
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_prompt_logprobs_survive_chunking_preemption_and_the_prefix_cache(llama_dir):
+    """Prompt log-probs are scored in full whatever the schedule: chunked prefill, a prompt
+    whose prefix is cached (never served from the cache), and a pool so small it preempts."""
+    hf_model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    prompts = [tokenizer.encode(PROMPTS[3]), tokenizer.encode(PROMPTS[3] + " and again")]
+    for llm in (LLM(str(llama_dir), max_num_batched_tokens=7),
+                LLM(str(llama_dir), num_kv_blocks=12, block_size=8, max_model_len=96)):
+        llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)  # cache it
+        check_prompt_logprobs(llm, hf_model, prompts, k=3, max_tokens=24)
+        assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats()["preemptions"] > 0
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=1),
+                        use_tqdm=False)[0].prompt_logprobs is None
 
 
 def test_tied_embeddings_share_one_tensor(model_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.block_manager import BlockManager
+from tandem.rollout.outputs import SamplerOutput
 from tandem.rollout.scheduler import Scheduler
 from tandem.rollout.sequence import Sequence
 
@@ -44,18 +45,38 @@ def make_seq(seq_id: int, num_tokens: int) -> Sequence:
                     num_prompt_tokens=num_tokens, sampling_params=SamplingParams())
 
 
+def make_scheduler(max_num_batched_tokens: int) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
+                     max_num_batched_tokens=max_num_batched_tokens, eos_token_ids={0},
+                     max_model_len=64, match_stop_string=lambda seq: None)
+
+
 def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
-    scheduler = Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
-                          max_num_batched_tokens=10)
+    scheduler = make_scheduler(max_num_batched_tokens=10)
     first = make_seq(0, 6)
     scheduler.add(first)
     batch = scheduler.schedule()
     assert batch.seqs == [first] and batch.num_new_tokens == [6] and batch.samples(0)
-    scheduler.update(batch, [7], weight_version=0)
+    scheduler.update_from_output(batch, SamplerOutput([7], [-0.5], [None]), weight_version=0)
     second, third = make_seq(1, 7), make_seq(2, 5)
     scheduler.add(second)
     scheduler.add(third)
     batch = scheduler.schedule()
     assert batch.seqs == [first, second, third] and batch.num_decodes == 1
-    assert batch.num_new_tokens == [1, 7, 2] and batch.num_batched_tokens == 10
+    assert batch.num_new_tokens == [1, 7, 2]
     assert [batch.samples(i) for i in range(3)] == [True, True, False]
+
+
+def test_update_appends_tokens_and_retires_stopped_sequences_with_their_reason():
+    scheduler = make_scheduler(max_num_batched_tokens=64)
+    stops, runs = make_seq(1, 5), make_seq(2, 5)
+    for seq in (stops, runs):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    finished = scheduler.update_from_output(batch, SamplerOutput([0, 9], [-1.0, -2.0],
+                                                                 [None, None]), 3)
+    assert finished == [stops] and stops.finish_reason == "stop"
+    assert stops.block_table == [] and scheduler.running == [runs]
+    assert runs.output_token_ids == [9] and runs.logprobs == [-2.0]
+    assert runs.first_weight_version == 3
+    assert scheduler.schedule().finished_seq_ids == [stops.seq_id]

@@ -5,6 +5,7 @@ refused with OpenAI-style 4xx bodies while other requests go on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -20,10 +22,14 @@ import openai
 import pytest
 import uvicorn
 
-from tandem.cli import build_parser, config_from_arguments
+from tandem.cli import build_parser
+from tandem.cli.arguments import config_from_arguments
 from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
 from tandem.rollout.serving.config import ServerConfig
+from tandem.rollout.serving.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.rollout.serving.server import build_app
+
+from .conftest import count_tokenizations
 
 HOST = "127.0.0.1"
 API_KEY = "test-key"
@@ -57,6 +63,19 @@ def wait_until_idle(engine: LLMEngine) -> None:
     deadline = time.monotonic() + 30
     while engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.02)
+
+
+def recorded_request_ids(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The ids of every request the server queues on ``engine`` from now on."""
+    request_ids: list[str] = []
+    add_requests = engine.add_requests
+
+    def recording(ids, prompts, params) -> None:
+        request_ids.extend(ids)
+        add_requests(ids, prompts, params)
+
+    monkeypatch.setattr(engine, "add_requests", recording)
+    return request_ids
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +220,7 @@ def bad_requests(url: str) -> list[tuple[int, str | None, dict]]:
             "Content-Type": "application/json"}}),
         (400, "n", post | {"json": ok | {"n": 100000}}),
         (400, "max_tokens", post | {"json": ok | {"max_tokens": 10**9}}),
+        (400, "prompt_logprobs", post | {"json": ok | {"prompt_logprobs": 10**6}}),
         (400, "prompt", post | {"json": ok | {"prompt": list(range(3, 100))}}),
         (400, None, post | {"json": ok | {"top_p": 0}}),
         (400, "prompt", post | {"json": ok | {"prompt": []}}),
@@ -247,6 +267,65 @@ def test_bad_requests_get_4xx_with_openai_errors_and_others_go_on(served, offlin
     assert openai_client(url).completions.create(model=MODEL, prompt="x", max_tokens=2).choices
 
 
+def test_each_prompt_is_tokenized_once_whichever_route(served, monkeypatch):
+    url, engine = served
+    assert engine.tokenizer is engine.input_processor.tokenizer
+    tokenizer = count_tokenizations(engine, monkeypatch)
+
+    def calls(path: str, body: dict) -> dict[str, int]:
+        tokenizer.calls.clear()
+        answer = httpx.post(f"{url}{path}", headers=AUTH, json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return dict(tokenizer.calls)
+
+    three = [*PROMPTS, "x"]
+    for stream in (False, True):
+        counted = calls("/v1/completions", {"prompt": three, "n": 2, "max_tokens": 2,
+                                            "stream": stream})
+        assert sum(counted.values()) == 3 and "apply_chat_template" not in counted
+    assert calls("/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2}) == {"encode": 1}
+    assert calls("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                          "n": 2, "max_tokens": 2}) == {
+        "apply_chat_template": 1}
+    rollout = {"prompts": three, "sampling_params": {"n": 2, "max_tokens": 2}}
+    counted = calls("/v1/rollouts", rollout)
+    assert sum(counted.values()) == 3 and "apply_chat_template" not in counted
+    assert calls("/v1/rollouts", rollout | {"prompts": [[5, 9, 33], [70, 2]]}) == {}
+
+
+def changed_value(field: dataclasses.Field, hint: object) -> object:
+    """A valid value of a ``SamplingParams`` field other than its default, by its type."""
+    default = (field.default if field.default_factory is dataclasses.MISSING
+               else field.default_factory())
+    if hint is bool:
+        return not default
+    if hint is float:
+        return default / 2 or 0.5
+    if hint is int:
+        return default + 1
+    if hint == int | None:
+        return 2
+    if hint == list[str]:
+        return ["Paris"]
+    if hint == list[int]:
+        return [7]
+    raise AssertionError(f"no test value for SamplingParams.{field.name}: {hint}; add one")
+
+
+def test_every_sampling_params_field_is_an_openai_request_field_reaching_sampling_params():
+    hints = typing.get_type_hints(SamplingParams)
+    values = {field.name: changed_value(field, hints[field.name])
+              for field in dataclasses.fields(SamplingParams)}
+    expected = SamplingParams(**values)
+    completion = CompletionRequest.model_validate({"prompt": "x", **values})
+    assert completion.sampling_params(completion.max_tokens, completion.logprobs) == expected
+    chat_values = {k: v for k, v in values.items() if k != "logprobs"}  # a flag in chat
+    chat = ChatCompletionRequest.model_validate({"messages": [], **chat_values})
+    assert chat.sampling_params(chat.max_tokens, values["logprobs"]) == expected
+    for request in (CompletionRequest(prompt="x"), ChatCompletionRequest(messages=[])):
+        assert request.sampling_params(16, None) == SamplingParams(max_tokens=16)
+
+
 def _event(line: str) -> dict | None:
     import json
 
@@ -255,10 +334,11 @@ def _event(line: str) -> dict | None:
     return json.loads(line.removeprefix("data: "))
 
 
-def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served):
+def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served, monkeypatch):
     url, engine = served
     client = openai_client(url)
     results: list = []
+    request_ids = recorded_request_ids(engine, monkeypatch)
 
     def request() -> threading.Thread:
         worker = threading.Thread(target=lambda: results.append(client.completions.create(
@@ -267,7 +347,7 @@ def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served):
         return worker
 
     def generated() -> int:
-        return sum(r.num_output_tokens for r in list(engine.requests.values()))
+        return sum(engine.num_output_tokens(r) or 0 for r in request_ids)
 
     worker = request()
     while not generated():
@@ -284,7 +364,7 @@ def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served):
 
     worker = request()
     time.sleep(0.2)
-    assert not engine.requests  # held until /resume
+    assert not engine.has_unfinished_requests()  # held until /resume
     httpx.post(f"{url}/resume", headers=AUTH)
     worker.join(60)
     assert results[1].choices[0].finish_reason == "length"

@@ -178,11 +178,6 @@ class AsyncLLMEngine:
         """True between ``pause`` and ``resume``."""
         return not self._admitting.is_set()
 
-    @property
-    def num_requests(self) -> int:
-        """Requests queued or running."""
-        return len(self._tracked)
-
     async def _final(self, tracked: TrackedRequest) -> RequestOutput:
         async for output in self.outputs(tracked):
             if output.finished:

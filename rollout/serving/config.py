@@ -3,38 +3,35 @@ so the command line can be built without the ``serve`` extra)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
 class ServerConfig:
     """How ``tandem serve`` listens and what it accepts.
 
-    Attributes:
-        host: the address to bind; 127.0.0.1 (this machine only) unless told otherwise.
-        port: the TCP port.
-        api_key: when set, every endpoint but /health wants ``Authorization: Bearer KEY``.
-        enable_weight_transfer: serve the weight-transfer endpoints (off: they answer 403).
-        served_model_name: the ``model`` name clients use; default the model argument.
-        max_body_bytes: largest request body.
-        max_prompt_tokens: longest prompt in tokens; default max_model_len - 1.
-        max_n: most completions per prompt.
-        max_tokens: most tokens per completion (also the chat default).
-        max_logprobs: most top log-probs per token.
-        weight_transfer_timeout: seconds any weight-transfer step may wait for the trainer.
+    Each field's help is in its metadata (``metadata["help"]``), which ``tandem serve
+    --help`` prints.
     """
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    enable_weight_transfer: bool = False
-    served_model_name: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_prompt_tokens: int | None = None
-    max_n: int = 64
-    max_tokens: int = 4096
-    max_logprobs: int = 20
-    weight_transfer_timeout: float = 300.0
+    host: str = field(default="127.0.0.1", metadata={"help": (
+        "the address to bind; 127.0.0.1 (this machine only) unless told otherwise.")})
+    port: int = field(default=8000, metadata={"help": "the TCP port."})
+    api_key: str | None = field(default=None, metadata={"help": (
+        "when set, every endpoint but /health wants ``Authorization: Bearer KEY``.")})
+    enable_weight_transfer: bool = field(default=False, metadata={"help": (
+        "serve the weight-transfer endpoints (off: they answer 403).")})
+    served_model_name: str | None = field(default=None, metadata={"help": (
+        "the ``model`` name clients use; default the model argument.")})
+    max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest request body."})
+    max_prompt_tokens: int | None = field(default=None, metadata={"help": (
+        "longest prompt in tokens; default max_model_len - 1.")})
+    max_n: int = field(default=64, metadata={"help": "most completions per prompt."})
+    max_tokens: int = field(default=4096, metadata={"help": (
+        "most tokens per completion (also the chat default).")})
+    max_logprobs: int = field(default=20, metadata={"help": "most top log-probs per token."})
+    weight_transfer_timeout: float = field(default=300.0, metadata={"help": (
+        "seconds any weight-transfer step may wait for the trainer.")})
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens"):

@@ -1,9 +1,10 @@
-"""OpenAI-compatible request bodies and the responses built from ``RequestOutput``s.
+"""The bodies of OpenAI's successful responses, built from ``RequestOutput``s: whole
+completions and chat completions, streamed chunks (``DeltaTracker`` cuts a request's
+successive outputs into deltas) and ``usage``.
 
-Request fields follow OpenAI's, plus vLLM's extras (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``skip_special_tokens``, ``return_token_ids``) and Tandem's ``weight_version`` in every
-response, so a trainer can see which weights sampled a rollout.
+Beyond OpenAI's fields, every body carries Tandem's ``weight_version`` and every choice the
+``weight_versions`` its tokens were sampled under, so a trainer can see which weights
+sampled a rollout.
 """
 
 from __future__ import annotations
@@ -11,95 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
 from transformers import PreTrainedTokenizerBase
 
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
-
-
-class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
-
-    include_usage: bool = False
-
-
-class SamplingRequest(BaseModel):
-    """The fields completions and chat completions share: the model and how to sample."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    n: int = 1
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None
-    skip_special_tokens: bool = True
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
-
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The ``SamplingParams`` of this request (validated: ValueError names the field)."""
-        return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
-            stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos,
-            seed=self.seed, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens)
-
-    @property
-    def include_usage(self) -> bool:
-        """True when a stream ends with a usage chunk."""
-        return self.stream_options is not None and self.stream_options.include_usage
-
-
-class CompletionRequest(SamplingRequest):
-    """``POST /v1/completions``: one prompt or several, each text or token ids."""
-
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-
-    def prompts(self) -> list[str | list[int]]:
-        """The prompts as a list (a single text or token-id list becomes one)."""
-        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
-            return [self.prompt]
-        return list(self.prompt)
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: a conversation, with the model's chat template applied."""
-
-    messages: list[dict[str, Any]]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True
-
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages with each content as plain text (text parts joined)."""
-        return [{**message, "content": _text_of(message.get("content"))}
-                for message in self.messages]
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, dict) and part.get("type") == "text")
-    return "" if content is None else str(content)
 
 
 @dataclass(slots=True)
@@ -234,9 +149,3 @@ def usage(outputs: list[RequestOutput]) -> dict[str, int]:
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion}
-
-
-def error_body(message: str, error_type: str = "invalid_request_error",
-               param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}

@@ -1,0 +1,67 @@
+"""OpenAI's routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, and the
+``/health`` and ``/metrics`` probes every vLLM deployment answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from ..input_processor import Prompt
+from .errors import APIError
+from .metrics import CONTENT_TYPE
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .state import TandemServer
+
+OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
+
+
+def openai_routes(server: TandemServer) -> APIRouter:
+    """The router of OpenAI's endpoints and the probes, answering from ``server``."""
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @router.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": server.model_name, "object": "model", "created": 0, "owned_by": "tandem",
+            "max_model_len": server.engine.max_model_len}]}
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        if body.echo or body.suffix:
+            raise APIError(400, "echo and suffix are not supported.",
+                           param="echo" if body.echo else "suffix")
+        params = server.sampling_params(body, body.max_tokens or OPENAI_DEFAULT_MAX_TOKENS,
+                                        body.logprobs)
+        prompts = await server.process_prompts(_prompt_list(body.prompts()))
+        return await server.openai_response(request, body, prompts, params, chat=False)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens or server.config.max_tokens
+        params = server.sampling_params(body, max_tokens, logprobs)
+        prompt = await server.async_engine.call(server.engine.apply_chat_template,
+                                                body.conversation(), body.add_generation_prompt)
+        prompts = await server.process_prompts([prompt])
+        return await server.openai_response(request, body, prompts, params, chat=True)
+
+    @router.get("/metrics")
+    async def metrics() -> Response:
+        stats = await server.async_engine.call(server.engine.stats)
+        return PlainTextResponse(server.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    return router
+
+
+def _prompt_list(prompts: list[Prompt]) -> list[Prompt]:
+    if not prompts:
+        raise APIError(400, "no prompt given.", param="prompt")
+    return prompts

@@ -1,0 +1,207 @@
+"""The request bodies every route takes, as pydantic models (validated before a route runs).
+
+OpenAI's completions and chat completions take every ``SamplingParams`` field under its own
+name (vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``, ... included): the fields are read from the dataclass, so a field added
+there is a request field too. Only the fields whose OpenAI shape differs are declared here:
+``max_tokens`` (optional, the route picks the default), ``logprobs`` (a count for
+completions, a flag plus ``top_logprobs`` for chat), ``stop`` (a string or a list) and
+``stop_token_ids`` (null allowed). Then Tandem's own bodies: ``/v1/rollouts`` and the
+weight-transfer endpoints (vLLM's shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+
+from ..input_processor import Prompt
+from ..llm import as_prompt_list, params_per_prompt
+from ..sampling_params import SamplingParams
+from .errors import APIError
+
+# Set by each route in its OpenAI shape, then passed to ``SamplingRequest.sampling_params``.
+ROUTE_CHOSEN = ("max_tokens", "logprobs")
+OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
+
+
+def _request_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
+    """A dataclass field as pydantic's ``(type, default)``."""
+    if field.default_factory is not dataclasses.MISSING:
+        return hint, Field(default_factory=field.default_factory)
+    if field.default is not dataclasses.MISSING:
+        return hint, field.default
+    return hint, ...
+
+
+def _sampling_fields() -> dict[str, tuple[Any, Any]]:
+    """Every ``SamplingParams`` field in the same shape, but those in OpenAI's own."""
+    hints = typing.get_type_hints(SamplingParams)
+    return {field.name: _request_field(field, hints[field.name])
+            for field in dataclasses.fields(SamplingParams) if field.name not in OPENAI_SHAPED}
+
+
+_SamplingFields = create_model("SamplingFields", __config__=ConfigDict(extra="ignore"),
+                               **_sampling_fields())
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
+
+    include_usage: bool = False
+
+
+class SamplingRequest(_SamplingFields):
+    """The fields completions and chat completions share: the model, every ``SamplingParams``
+    field (those in OpenAI's shape declared here), streaming and ``return_token_ids``."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool = False
+
+    @field_validator("stop", "stop_token_ids")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        return value or []
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The ``SamplingParams`` of this request with the route's ``max_tokens`` and
+        ``logprobs`` (validated: ValueError names the field)."""
+        fields = {field.name: getattr(self, field.name)
+                  for field in dataclasses.fields(SamplingParams)
+                  if field.name not in ROUTE_CHOSEN}
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingRequest):
+    """``POST /v1/completions``: one prompt or several, each text or token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts as a list (a single text or token-id list becomes one)."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``: a conversation, with the model's chat template applied."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages with each content as plain text (text parts joined)."""
+        return [{**message, "content": _text_of(message.get("content"))}
+                for message in self.messages]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content
+                       if isinstance(part, dict) and part.get("type") == "text")
+    return "" if content is None else str(content)
+
+
+class RolloutRequest(BaseModel):
+    """``POST /v1/rollouts``: ``LLM.generate``'s arguments as JSON.
+
+    ``prompts`` is one prompt (text or token ids) or a list; ``sampling_params`` holds
+    ``SamplingParams`` fields, one object for all prompts or one each.
+    """
+
+    prompts: str | list[Any]
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+
+    def prompt_list(self) -> list[Prompt]:
+        """The prompts as a list (ValueError when there are none)."""
+        return as_prompt_list(self.prompts)
+
+    def sampling_params_per_prompt(self, num_prompts: int) -> list[SamplingParams]:
+        """One ``SamplingParams`` per prompt (the default when none are given).
+
+        Raises:
+            APIError: for a field ``SamplingParams`` does not have.
+            ValueError: for a value it refuses, or a list of the wrong length.
+        """
+        return params_per_prompt(_sampling_params(self.sampling_params), num_prompts)
+
+
+def _sampling_params(fields: dict[str, Any] | list[dict[str, Any]] | None
+                     ) -> SamplingParams | list[SamplingParams] | None:
+    if fields is None:
+        return None
+    if isinstance(fields, list):
+        return [_sampling_params(f) for f in fields]
+    try:
+        return SamplingParams(**fields)
+    except TypeError as exc:
+        raise APIError(400, f"sampling_params: {exc}", param="sampling_params") from exc
+
+
+class InitInfo(BaseModel):
+    """vLLM's ``init_info``: the trainer's store (rank 0) and this engine's rank."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int = 1
+    world_size: int = 2
+
+
+class InitWeightTransferRequest(BaseModel):
+    """``POST /init_weight_transfer_engine``."""
+
+    init_info: InitInfo
+
+
+class StartWeightUpdateRequest(BaseModel):
+    """``POST /start_weight_update`` (vLLM's field; only checkpoint-format names)."""
+
+    is_checkpoint_format: bool = True
+
+
+class UpdateInfo(BaseModel):
+    """vLLM's ``update_info``: the names, dtypes and shapes the trainer is about to send."""
+
+    names: list[str] | None = None
+    dtype_names: list[str] | None = None
+    shapes: list[list[int]] | None = None
+
+    def expected(self) -> list[tuple[str, str, tuple[int, ...]]] | None:
+        """``(name, dtype, shape)`` per tensor, or None when nothing was announced.
+
+        Raises:
+            APIError: when the three lists are partly given or differ in length.
+        """
+        fields = (self.names, self.dtype_names, self.shapes)
+        if all(f is None for f in fields):
+            return None
+        if any(f is None for f in fields) or len({len(f) for f in fields}) != 1:
+            raise APIError(400, "update_info needs names, dtype_names and shapes of the same "
+                           "length (or none of them).", param="update_info")
+        return [(n, d, tuple(s)) for n, d, s in zip(*fields)]
+
+
+class UpdateWeightsRequest(BaseModel):
+    """``POST /update_weights``."""
+
+    update_info: UpdateInfo = UpdateInfo()

@@ -1,0 +1,107 @@
+"""Tandem's RL routes: ``/v1/rollouts`` (``LLM.generate``'s shapes over HTTP) and vLLM's
+engine controls a trainer drives between steps: ``/reset_prefix_cache``, ``/sleep``,
+``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/server_info``
+and ``/get_world_size``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from .protocol import RolloutRequest
+from .state import TandemServer, until_disconnected
+
+
+def rl_routes(server: TandemServer) -> APIRouter:
+    """The router of the RL endpoints, answering from ``server``."""
+    router = APIRouter()
+    for group in (_rollout_routes, _sleep_routes, _pause_routes, _info_routes):
+        router.include_router(group(server))
+    return router
+
+
+def _rollout_routes(server: TandemServer) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/rollouts")
+    async def rollouts(body: RolloutRequest, request: Request) -> dict[str, Any]:
+        prompts = body.prompt_list()
+        params = body.sampling_params_per_prompt(len(prompts))
+        for p in params:
+            server.check_limits(p)
+        processed = await server.process_prompts(prompts)
+        outputs = await until_disconnected(
+            request, server.async_engine.generate(processed, params, "rollout"))
+        return {"outputs": [o.to_dict() for o in outputs],
+                "weight_version": server.engine.weight_version}
+
+    return router
+
+
+def _sleep_routes(server: TandemServer) -> APIRouter:
+    router = APIRouter()
+    engine, async_engine = server.engine, server.async_engine
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        await async_engine.call(engine.reset_prefix_cache)
+        return {}
+
+    @router.post("/sleep")
+    async def sleep(level: int = 1) -> dict[str, Any]:
+        await async_engine.call(engine.sleep, level)
+        return {}
+
+    @router.post("/wake_up")
+    async def wake_up(request: Request) -> dict[str, Any]:
+        await async_engine.call(engine.wake_up, request.query_params.getlist("tags") or None)
+        return {}
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, Any]:
+        return {"is_sleeping": engine.sleep_level > 0}
+
+    return router
+
+
+def _pause_routes(server: TandemServer) -> APIRouter:
+    router = APIRouter()
+    async_engine = server.async_engine
+
+    @router.post("/pause")
+    async def pause(mode: str = "abort") -> dict[str, Any]:
+        await async_engine.pause(mode)
+        return {}
+
+    @router.post("/resume")
+    async def resume() -> dict[str, Any]:
+        async_engine.resume()
+        return {}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, Any]:
+        return {"is_paused": async_engine.is_paused}
+
+    return router
+
+
+def _info_routes(server: TandemServer) -> APIRouter:
+    router = APIRouter()
+    engine = server.engine
+
+    @router.get("/server_info")
+    async def server_info() -> dict[str, Any]:
+        engine_config = {k: str(v) if not isinstance(v, int | float | bool | None) else v
+                         for k, v in asdict(engine.config).items()}
+        return {"model": server.model_name, "max_model_len": engine.max_model_len,
+                "weight_version": engine.weight_version, "world_size": 1,
+                "engine_config": engine_config,
+                "server_config": asdict(server.config) | {"api_key": None}}
+
+    @router.get("/get_world_size")
+    async def get_world_size() -> dict[str, Any]:
+        return {"world_size": 1}
+
+    return router

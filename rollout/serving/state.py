@@ -1,0 +1,183 @@
+"""``TandemServer``: the state every route shares (the engine, its asyncio loop, limits,
+the response builder, the weight transfer), the checks they share, and answering as OpenAI
+(one JSON body, or server-sent events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine import LLMEngine
+from ..input_processor import ProcessedPrompt, Prompt
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncLLMEngine, TrackedRequest
+from .config import ServerConfig
+from .errors import APIError, error_body
+from .metrics import ServerMetrics
+from .protocol import SamplingRequest
+from .responses import DeltaTracker, ResponseBuilder, usage
+from .weight_transfer import WeightTransfer
+
+T = TypeVar("T")
+
+
+class TandemServer:
+    """The routes' shared state: the engine and its loop, limits, response builder, weight
+    transfer.
+
+    Args:
+        engine: the engine to serve (this server drives it, through ``async_engine``, the
+            loop that runs every call to it; nothing else should).
+        config: listening, safety and limits.
+    """
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.model_name = config.served_model_name or str(engine.config.model)
+        self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
+        self.metrics = ServerMetrics(self.model_name)
+        self.async_engine = AsyncLLMEngine(engine, self.metrics)
+        self.responses = ResponseBuilder(engine.tokenizer, self.model_name)
+        self.weight_transfer = WeightTransfer(
+            engine, timedelta(seconds=config.weight_transfer_timeout),
+            self.metrics.weight_sync_seconds)
+
+    def check_model(self, model: str | None) -> None:
+        """Refuse a request for another model (404, as OpenAI)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist: this server serves "
+                           f"{self.model_name!r}.", param="model", code="model_not_found")
+
+    def check_limits(self, params: SamplingParams) -> None:
+        """Refuse parameters over the server's limits (400 naming the limit)."""
+        for name, value, limit, flag in (
+                ("n", params.n, self.config.max_n, "--max-n"),
+                ("max_tokens", params.max_tokens, self.config.max_tokens, "--max-tokens"),
+                ("logprobs", params.logprobs or 0, self.config.max_logprobs,
+                 "--max-logprobs"),
+                ("prompt_logprobs", params.prompt_logprobs or 0, self.config.max_logprobs,
+                 "--max-logprobs")):
+            if value > limit:
+                raise APIError(400, f"{name}={value} exceeds this server's limit of {limit} "
+                               f"({flag}).", param=name)
+
+    async def process_prompts(self, prompts: list[Prompt]) -> list[ProcessedPrompt]:
+        """Every prompt tokenized once (on the engine thread) and checked, refusing one
+        over ``max_prompt_tokens``.
+
+        Raises:
+            APIError: for a prompt over the limit.
+            ValueError: for a prompt the engine refuses.
+        """
+        processed = await self.async_engine.call(
+            lambda: [self.engine.process_prompt(prompt) for prompt in prompts])
+        for ids in (p.prompt_token_ids for p in processed):
+            if len(ids) > self.max_prompt_tokens:
+                raise APIError(400, f"the prompt has {len(ids)} tokens, over this server's "
+                               f"limit of {self.max_prompt_tokens} (--max-prompt-tokens or "
+                               "max_model_len): shorten it.", param="prompt",
+                               code="context_length_exceeded")
+        return processed
+
+    def sampling_params(self, body: SamplingRequest, max_tokens: int,
+                        logprobs: int | None) -> SamplingParams:
+        """The request's validated ``SamplingParams`` within the limits."""
+        params = body.sampling_params(max_tokens, logprobs)
+        self.check_limits(params)
+        return params
+
+    async def openai_response(self, request: Request, body: SamplingRequest,
+                              prompts: list[ProcessedPrompt], params: SamplingParams,
+                              chat: bool) -> Response:
+        """Generate and answer as OpenAI: one JSON body, or server-sent events."""
+        prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            tracked = await self.async_engine.add_requests(prompts, [params] * len(prompts),
+                                                           True, prefix)
+            return StreamingResponse(self._events(body, tracked, params, prefix, chat),
+                                     media_type="text/event-stream")
+        outputs = await until_disconnected(
+            request, self.async_engine.generate(prompts, [params] * len(prompts), prefix))
+        choices = [self._choice(body, output, completion, i * params.n, chat, stream=False)
+                   for i, output in enumerate(outputs) for completion in output.outputs]
+        envelope = self.responses.envelope(
+            prefix, "chat.completion" if chat else "text_completion", int(time.time()),
+            choices, max(o.weight_version for o in outputs))
+        if chat and body.return_token_ids:
+            envelope["prompt_token_ids"] = outputs[0].prompt_token_ids
+        return JSONResponse(envelope | {"usage": usage(outputs)})
+
+    def _choice(self, body: SamplingRequest, output: RequestOutput, completion: Any,
+                offset: int, chat: bool, stream: bool) -> dict[str, Any]:
+        index = offset + completion.index
+        if chat:
+            return self.responses.chat_choice(index, completion, stream, body.return_token_ids)
+        return self.responses.completion_choice(index, completion, output.prompt_token_ids,
+                                                body.return_token_ids)
+
+    async def _events(self, body: SamplingRequest, tracked: list[TrackedRequest],
+                      params: SamplingParams, prefix: str, chat: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+        finals: list[RequestOutput] = []
+        try:
+            if chat:
+                yield _event(self.responses.envelope(prefix, obj, created, [
+                    {"index": i, "delta": {"role": "assistant", "content": ""},
+                     "logprobs": None, "finish_reason": None} for i in range(params.n)],
+                    self.engine.weight_version))
+            hold_back = max((len(stop) for stop in params.stop), default=1) - 1
+            for i, tracked_request in enumerate(tracked):
+                deltas = DeltaTracker(hold_back)
+                async for output in self.async_engine.outputs(tracked_request):
+                    for delta in deltas.deltas(output):
+                        choice = self._choice(body, output, delta, i * params.n, chat, True)
+                        yield _event(self.responses.envelope(prefix, obj, created, [choice],
+                                                             output.weight_version))
+                    if output.finished:
+                        finals.append(output)
+            if body.include_usage:
+                yield _event(self.responses.envelope(prefix, obj, created, [], max(
+                    o.weight_version for o in finals)) | {"usage": usage(finals)})
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # the stream has begun: report in it, as vLLM does
+            yield _event(error_body(str(exc), "internal_server_error", code=500))
+        finally:
+            for tracked_request in tracked:
+                self.async_engine.abort(tracked_request.request_id)
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client goes away first; then cancel it (which aborts its
+    requests) and raise ``APIError`` 499 (nobody reads it)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection; its requests were aborted.")
+    return task.result()
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,51 @@
+"""vLLM's weight-transfer routes, served with ``enable_weight_transfer`` (else 403):
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
+``/finish_weight_update``, driving the server's ``WeightTransfer``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from .errors import APIError
+from .protocol import InitWeightTransferRequest, StartWeightUpdateRequest, UpdateWeightsRequest
+from .state import TandemServer
+
+
+def weight_transfer_routes(server: TandemServer) -> APIRouter:
+    """The router of the weight-transfer endpoints; each answers 403 while disabled."""
+    def enabled() -> None:
+        if not server.config.enable_weight_transfer:
+            raise APIError(403, "weight transfer is disabled on this server: start it with "
+                           "--enable-weight-transfer.", code="weight_transfer_disabled")
+
+    router = APIRouter(dependencies=[Depends(enabled)])
+    transfer = server.weight_transfer
+
+    @router.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
+        info = body.init_info
+        await transfer.init(info.master_address, info.master_port, info.rank_offset,
+                            info.world_size)
+        return {"message": "weight transfer initialised"}
+
+    @router.post("/start_weight_update")
+    async def start_weight_update(body: StartWeightUpdateRequest | None = None
+                                  ) -> dict[str, Any]:
+        if body is not None and not body.is_checkpoint_format:
+            raise APIError(400, "only checkpoint-format (Hugging Face) names are taken: send "
+                           "is_checkpoint_format true.", param="is_checkpoint_format")
+        transfer.start()
+        return {"weight_version": server.engine.weight_version}
+
+    @router.post("/update_weights")
+    async def update_weights(body: UpdateWeightsRequest | None = None) -> dict[str, Any]:
+        expected = None if body is None else body.update_info.expected()
+        return {"weight_version": await transfer.update(expected)}
+
+    @router.post("/finish_weight_update")
+    async def finish_weight_update() -> dict[str, Any]:
+        return {"weight_version": transfer.finish()}
+
+    return router

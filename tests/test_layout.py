@@ -1,0 +1,90 @@
+"""The layout's rules, kept in force: layering, function and module sizes, the web stack only
+in serving, and pyproject listing every package."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_DIRS = ("rollout", "sync", "kernels")
+PACKAGE_DIRS = (*ENGINE_DIRS, "trainers")
+WEB_STACK = ("fastapi", "uvicorn", "pydantic", "starlette")
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 50, 400
+
+
+def modules(*dirs: str) -> list[Path]:
+    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+
+
+def imported_names(path: Path) -> list[str]:
+    """Every module ``path`` imports, anywhere in it (inside functions too), as absolute
+    names (relative imports resolved against the package mapping)."""
+    package = _package_of(path)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            names.append(base)
+    return names
+
+
+def _package_of(path: Path) -> str:
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folder = path.parent.relative_to(ROOT).as_posix()
+    return {value: key for key, value in mapping["package-dir"].items()}.get(folder, folder)
+
+
+def relative(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("path", modules(*ENGINE_DIRS), ids=relative)
+def test_engine_packages_never_import_the_trainers_or_the_cli(path):
+    upward = [n for n in imported_names(path) if n.startswith(("tandem.trainers", "tandem.cli"))]
+    assert not upward, f"{path} imports {upward}: the engine must not depend on the layer above"
+
+
+def test_nothing_imports_the_cli():
+    importers = [p for p in modules(*PACKAGE_DIRS) if "cli" not in p.parts
+                 and any(n.startswith("tandem.cli") for n in imported_names(p))]
+    assert not importers
+
+
+def test_the_web_stack_is_imported_only_in_serving():
+    outside = [p for p in modules(*PACKAGE_DIRS) if "serving" not in p.parts
+               and any(n.split(".")[0] in WEB_STACK for n in imported_names(p))]
+    assert not outside, f"{outside} import {WEB_STACK}: serving owns the HTTP server"
+
+
+def test_the_client_and_server_config_import_without_the_web_stack():
+    for name in ("client.py", "config.py", "__init__.py"):
+        path = ROOT / "rollout" / "serving" / name
+        assert not any(n.split(".")[0] in WEB_STACK for n in imported_names(path)), path
+
+
+@pytest.mark.parametrize("path", modules(*PACKAGE_DIRS), ids=relative)
+def test_functions_and_modules_stay_small(path):
+    source = path.read_text()
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} is over {MAX_MODULE_LINES} lines"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"{path}: {long} over {MAX_FUNCTION_LINES} lines"
+
+
+def test_pyproject_lists_every_package():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {p.parent.relative_to(ROOT).as_posix() for p in modules(*PACKAGE_DIRS)
+               if p.name == "__init__.py"}
+    mapped = {setuptools["package-dir"][name] for name in setuptools["packages"]}
+    assert folders == mapped, f"unlisted packages: {sorted(folders - mapped)}"
