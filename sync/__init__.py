@@ -5,7 +5,7 @@ wrappers to Hugging Face's."""
 from .distributed import WeightReceiver, WeightSender
 from .lora import LoraSpec, LoraSync, peft_adapter_state
 from .names import engine_name
-from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError
+from .protocol import LoraTarget, UpdateTarget, WeightUpdate, WeightUpdateError
 
-__all__ = ["LoraSpec", "LoraSync", "UpdateTarget", "WeightReceiver", "WeightSender",
+__all__ = ["LoraSpec", "LoraSync", "LoraTarget", "UpdateTarget", "WeightReceiver", "WeightSender",
            "WeightUpdate", "WeightUpdateError", "engine_name", "peft_adapter_state"]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from .names import engine_name
-from .protocol import UpdateTarget, WeightUpdate, WeightUpdateError, check_finite, next_version
+from .protocol import LoraTarget, WeightUpdate, WeightUpdateError, check_finite, next_version
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
@@ -189,7 +189,8 @@ class LoraSync:
     """Merges LoRA adapters into a running engine's weights, always from the kept base ``W0``.
 
     Args:
-        llm_or_engine: an ``LLM`` (its engine is used) or any ``UpdateTarget``.
+        llm_or_engine: an ``LLM`` (its engine is used) or any ``LoraTarget`` (an
+            ``LLMEngine``).
         base_device: where the ``W0`` copies live (default: beside the engine's weights;
             ``"cpu"`` keeps them off the accelerator at the cost of merging there).
         mode: ``"merge"`` (default) folds the adapter into the weights; ``"runtime"`` leaves
@@ -200,13 +201,20 @@ class LoraSync:
 
     Raises:
         ValueError: for an unknown mode.
+        TypeError: for a target lacking ``LoraTarget``'s methods.
     """
 
     def __init__(self, llm_or_engine: Any, base_device: str | torch.device | None = None,
                  mode: str = "merge") -> None:
         if mode not in ("merge", "runtime"):
             raise ValueError(f"mode={mode!r} is invalid: use 'merge' or 'runtime'.")
-        self.engine: UpdateTarget = getattr(llm_or_engine, "engine", llm_or_engine)
+        engine: LoraTarget = getattr(llm_or_engine, "engine", llm_or_engine)
+        missing = [name for name in ("weight_parameters", "commit_weights", "commit_lora")
+                   if not hasattr(engine, name)]
+        if missing:
+            raise TypeError(f"LoraSync needs an LLM or an engine with {', '.join(missing)} "
+                            f"(see LoraTarget); {type(engine).__name__} lacks them.")
+        self.engine = engine
         self.base_device = base_device
         self.mode = mode
         self.lora_id = 0

@@ -43,6 +43,23 @@ class UpdateTarget(Protocol):
         """Swap the staged tensors in between steps and move to ``version``."""
 
 
+class LoraTarget(UpdateTarget, Protocol):
+    """What an engine offers to ``LoraSync``: a weight update's target (merged adapters go
+    through ``commit_weights``) that can also serve an adapter at run time."""
+
+    def commit_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                    version: int, lora_id: int) -> None:
+        """Serve a run-time adapter from the next step on, in place of any earlier one.
+
+        ``factors`` maps a weight name (``...q_proj.weight``) to ``(A, B, scale)``; the
+        targeted layers add ``scale · (x A^T) B^T``, the others serve their plain weights.
+        Moves to ``version``, with ``lora_id`` in the prefix-cache key.
+
+        Raises:
+            ValueError: for a weight that has no run-time LoRA layer.
+        """
+
+
 class WeightUpdate(AbstractContextManager):
     """One staged update of a target's weights (begin is construction).
 

@@ -25,7 +25,7 @@ def main() -> None:
     records = []
     for _ in range(trainer.config.steps):
         metrics = trainer.train_step()
-        mine = {"version": trainer.llm.engine.weight_version,
+        mine = {"version": trainer.llm.weight_version,
                 "checksum": engine_checksum(trainer), "reward": metrics["reward"],
                 "trainer_checksum": [float(p.double().sum()) for _, p in
                                      sorted(full_named_parameters(trainer.policy.model))]}

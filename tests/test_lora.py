@@ -199,6 +199,15 @@ def test_config_errors_name_the_field():
         LoraSpec.from_peft(peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
 
 
+def test_lora_sync_refuses_what_is_not_an_engine_naming_what_it_lacks():
+    class NotAnEngine:
+        weight_version = 0
+
+    with pytest.raises(TypeError, match=r"weight_parameters, commit_weights, commit_lora.*"
+                                        r"NotAnEngine lacks them"):
+        LoraSync(NotAnEngine())
+
+
 def test_engine_and_sync_import_without_peft():
     code = ("import sys, tandem.rollout, tandem.sync, tandem.sync.lora; "
             "assert 'peft' not in sys.modules, 'peft was imported'")

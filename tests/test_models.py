@@ -23,15 +23,18 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]
     return out[0, len(prompt_ids):].tolist()
 
 
+def engine_and_reference(folder) -> tuple[LLM, AutoModelForCausalLM, list[list[int]]]:
+    """An engine and transformers' model of one folder, and PROMPTS as token ids."""
+    llm = LLM(str(folder))
+    prompts = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    return llm, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), prompts
+
+
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_greedy_batch_matches_transformers_per_prompt(model_dir, kind):
-    folder = model_dir(kind)
-    llm = LLM(str(folder))
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    llm, hf_model, prompts = engine_and_reference(model_dir(kind))
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, min_tokens=32),
                            use_tqdm=False)
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     for prompt, output in zip(prompts, outputs):
         assert output.prompt_token_ids == prompt
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, 32)
@@ -58,11 +61,7 @@ def check_prompt_logprobs(llm: LLM, hf_model, prompts: list[list[int]], k: int,
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_prompt_logprobs_match_transformers_forward(model_dir, kind):
-    folder = model_dir(kind)
-    llm = LLM(str(folder))
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    hf_model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    llm, hf_model, prompts = engine_and_reference(model_dir(kind))
     check_prompt_logprobs(llm, hf_model, prompts, k=hf_model.config.vocab_size)  # all of it
     assert llm.stats()["kv_blocks_used"] == 0
 

@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.rollout import LLM
-from tandem.sync import WeightReceiver, WeightSender, WeightUpdateError, distributed
-from tandem.sync.distributed import Layout
+from tandem.sync import WeightReceiver, WeightSender, WeightUpdateError
+from tandem.sync.distributed.layout import ALIGNMENT, Bucket, Layout, align_up
 from tests.test_weight_update import completions, fresh_completions, trainer_model
 
 HOST = "127.0.0.1"
@@ -68,14 +68,14 @@ def trainer_that_stops_process(folder: str, port: int, conn: Connection,
     torch.set_num_threads(1)
     state = trainer_model(Path(folder), seed=9).state_dict()
     packed = itertools.count()
-    pack = distributed._pack
+    pack = Bucket.pack
 
     def pack_then_stop(*args):
         if next(packed) == 2:
             os.kill(os.getpid(), signal_number)
         return pack(*args)
 
-    distributed._pack = pack_then_stop
+    Bucket.pack = pack_then_stop
     conn.send("ready")
     sender = WeightSender(HOST, port, 2, bucket_bytes=BUCKET_BYTES, timeout=TIMEOUT)
     sender.send(state.items())
@@ -154,6 +154,11 @@ def test_layout_packs_in_order_and_gives_a_large_tensor_its_own_bucket():
         slot.view(buffer).copy_(tensors[slot.name])
     assert all(torch.equal(slot.view(buffer), tensors[slot.name])
                for slot in layout.buckets[0].slots)
+
+
+def test_align_up_rounds_to_the_next_multiple_of_the_alignment():
+    assert [align_up(offset) for offset in (0, 1, ALIGNMENT - 1, ALIGNMENT, ALIGNMENT + 1)] == [
+        0, ALIGNMENT, ALIGNMENT, ALIGNMENT, 2 * ALIGNMENT]
 
 
 @pytest.mark.parametrize("sender_device", SENDER_DEVICES)
@@ -239,9 +244,8 @@ def test_an_update_unlike_the_announced_one_is_refused_naming_the_difference():
     layout = Layout.plan({"a": torch.randn(2, generator=generator),
                           "b": torch.randn(3, generator=generator).half()}, bucket_bytes=64)
     assert layout.tensors() == [("a", "float32", (2,)), ("b", "float16", (3,))]
-    assert distributed._difference(layout, None) is None
-    assert distributed._difference(layout, [["a", "float32", [2]], ["b", "float16", [3]]]) is None
-    reason = distributed._difference(layout, [("a", "float32", (2,)), ("b", "float32", (3,))])
+    assert layout.difference(None) is None
+    assert layout.difference([["a", "float32", [2]], ["b", "float16", [3]]]) is None
+    reason = layout.difference([("a", "float32", (2,)), ("b", "float32", (3,))])
     assert "first differ at tensor 1" in reason and "'float16'" in reason
-    assert "2 tensors but 1 were announced" in distributed._difference(layout, [
-        ("a", "float32", (2,))])
+    assert "2 tensors but 1 were announced" in layout.difference([("a", "float32", (2,))])

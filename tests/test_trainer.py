@@ -90,7 +90,7 @@ def test_lora_training_syncs_only_the_adapter(llama_dir, tmp_path, target_token)
     trainer = Trainer(config)
     history = [trainer.train_step() for _ in range(2)]
     assert max(m["sampler_logprob_diff_max"] for m in history) < 1e-4
-    assert trainer.llm.engine.weight_version == 2
+    assert trainer.llm.weight_version == 2
 
 
 def _raises(**_):
@@ -144,4 +144,4 @@ def test_sleep_between_steps_frees_the_kv_pool_while_the_trainer_steps(llama_dir
     assert trainer.llm.stats()["kv_cache_bytes"] == 0
     second = trainer.train_step()
     assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
-    assert trainer.llm.engine.weight_version == 2
+    assert trainer.llm.weight_version == 2

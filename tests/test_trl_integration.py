@@ -58,7 +58,7 @@ def train(model_dir, tmp_path, config_overrides=None, **kwargs):
 def assert_on_policy_with_a_sync_per_round(trainer, logs) -> None:
     assert logs[0]["grad_norm"] > 0  # the second round samples from changed weights
     assert [log["tandem/weight_version"] for log in logs] == [1.0, 2.0]
-    assert trainer.vllm_generation.llm.engine.weight_version == 2
+    assert trainer.vllm_generation.llm.weight_version == 2
     assert max(log["sampling/sampling_logp_difference/max"] for log in logs) < 1e-4
     assert all("tandem/sync_seconds" in log and "tandem/kv_blocks_used_peak_fraction" in log
                for log in logs)
@@ -80,6 +80,63 @@ def test_grpo_trainer_with_peft_lora_pushes_only_the_adapter(llama_dir, tmp_path
     trainer, logs = train(llama_dir, tmp_path, peft_config=lora)
     assert trainer.vllm_generation.lora_sync is not None
     assert_on_policy_with_a_sync_per_round(trainer, logs)
+
+
+class CountingTokenizer:
+    """A tokenizer that records each call that tokenizes, forwarding everything."""
+
+    COUNTED = ("encode", "__call__", "apply_chat_template")
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[str] = []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append("__call__")
+        return self.tokenizer(*args, **kwargs)
+
+    def encode(self, *args, **kwargs):
+        self.calls.append("encode")
+        return self.tokenizer.encode(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        self.calls.append("apply_chat_template")
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_trl_prompt_ids_reach_the_engine_without_tokenizing_again(llama_dir, tmp_path):
+    trainer = tandem_grpo_trainer(model=str(llama_dir), reward_funcs=[even_token_reward],
+                                  args=grpo_config(tmp_path, max_steps=1),
+                                  train_dataset=arith_dataset(), tandem=TANDEM)
+    generation = trainer.vllm_generation
+    processor = generation.llm.engine.input_processor
+    counting = processor.tokenizer = CountingTokenizer(processor.tokenizer)
+    engine_prompts, calls_during_generate = [], []
+    engine_generate, shim_generate = generation.llm.generate, generation.generate
+
+    def recording_engine_generate(prompts, *args, **kwargs):
+        engine_prompts.extend(prompts)
+        return engine_generate(prompts, *args, **kwargs)
+
+    def counting_shim_generate(*args, **kwargs):
+        before = len(counting.calls)
+        result = shim_generate(*args, **kwargs)
+        calls_during_generate.append(counting.calls[before:])
+        return result
+
+    generation.llm.generate = recording_engine_generate
+    generation.generate = counting_shim_generate
+    trainer.train()
+    assert calls_during_generate and all(calls == [] for calls in calls_during_generate)
+    assert engine_prompts and all(isinstance(prompt, list) and
+                                  all(isinstance(token, int) for token in prompt)
+                                  for prompt in engine_prompts)
+    # The proxy sits where the engine tokenizes: a text prompt goes through it.
+    engine_generate("What is 2+3?", use_tqdm=False)
+    assert counting.calls == ["encode"]
 
 
 @pytest.mark.parametrize("version", ["1.15.2", "1.17.0", "2.0.0"])

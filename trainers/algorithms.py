@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GRPOConfig, PPOConfig
+from .config import GRPOLossConfig, PPOConfig
 from .losses import (
     clipped_policy_loss,
     clipped_value_loss,
@@ -85,7 +85,7 @@ class GRPO:
 
     uses_values = False
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOLossConfig) -> None:
         self.config = config
 
     @property

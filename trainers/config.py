@@ -20,8 +20,8 @@ from tandem.rollout.config import EngineConfig
 
 
 @dataclass(slots=True)
-class RewardConfig:
-    """One reward function and its weight in the total reward.
+class RewardFunctionConfig:
+    """One reward function and its weight in the total reward (an entry of ``rewards``).
 
     Attributes:
         name: a reward of the task (``correct``, ``format``...) or ``module:function``.
@@ -79,8 +79,8 @@ class OptimConfig:
 
 
 @dataclass(slots=True)
-class GRPOConfig:
-    """GRPO's loss.
+class GRPOLossConfig:
+    """GRPO's loss (the recipe's ``grpo`` section).
 
     Attributes:
         epsilon: lower clip range of the ratio (``1 - epsilon``).
@@ -128,8 +128,9 @@ class PPOConfig:
 
 
 @dataclass(slots=True)
-class LoraConfig:
-    """A peft LoRA adapter on the policy; only its tensors are trained and synced.
+class LoraAdapterConfig:
+    """A peft LoRA adapter on the policy (the recipe's ``lora`` section, from which peft's
+    ``LoraConfig`` is built); only its tensors are trained and synced.
 
     Attributes:
         enabled: train an adapter instead of every weight.
@@ -201,7 +202,7 @@ class TrainConfig:
     autocast: str | None = None
     task: str = "arith"
     task_args: dict[str, Any] = field(default_factory=dict)
-    rewards: list[RewardConfig] = field(default_factory=list)
+    rewards: list[RewardFunctionConfig] = field(default_factory=list)
     steps: int = 20
     seed: int = 0
     output_dir: str = "runs/tandem"
@@ -213,9 +214,9 @@ class TrainConfig:
     distributed: str = "ddp"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""Rollouts: a step's prompts through the colocated engine, flattened one row per completion."""
+"""Rollouts: a step's prompts through the colocated engine, flattened one row per completion;
+the engine's round metrics, and its timed sleep and wake-up between rounds."""
 
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ class RolloutBatch:
         sampler_logprobs: the engine's processed log-prob of every sampled token.
         group_ids: the prompt (group) index of each row.
         columns: the examples' other columns, one value per row.
-        weight_version: the engine's weight version the rollouts were sampled under.
         seconds: wall time of the generation.
     """
 
@@ -39,7 +39,6 @@ class RolloutBatch:
     sampler_logprobs: list[list[float]]
     group_ids: torch.Tensor
     columns: dict[str, list[Any]]
-    weight_version: int
     seconds: float
 
     @property
@@ -82,7 +81,6 @@ def generate_rollouts(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: li
         sampler_logprobs=[list(c.logprobs) for _, c in rows],
         group_ids=torch.tensor([i for i, _ in rows]),
         columns=columns,
-        weight_version=max(output.weight_version for output in outputs),
         seconds=seconds)
 
 
@@ -100,3 +98,19 @@ def engine_round_metrics(before: dict[str, float], after: dict[str, float]
             "prefix_cache_hit_rate": delta("prefix_cache_hit_tokens")
             / max(delta("prefix_cache_queried_tokens"), 1.0),
             "cow_copies": delta("cow_copies"), "preemptions": delta("preemptions")}
+
+
+def timed_sleep(llm: LLM) -> float:
+    """Put the engine to sleep at level 1 (its KV pool freed); returns the seconds it took."""
+    start = time.perf_counter()
+    llm.sleep(1)
+    return time.perf_counter() - start
+
+
+def timed_wake(llm: LLM) -> float | None:
+    """Wake the engine if it sleeps; returns the seconds it took, or None when it was awake."""
+    if not llm.is_sleeping:
+        return None
+    start = time.perf_counter()
+    llm.wake_up()
+    return time.perf_counter() - start

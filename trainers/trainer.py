@@ -36,7 +36,13 @@ from .data_parallel import (
     set_gradient_sync,
     wrap_policy,
 )
-from .generation import RolloutBatch, engine_round_metrics, generate_rollouts
+from .generation import (
+    RolloutBatch,
+    engine_round_metrics,
+    generate_rollouts,
+    timed_sleep,
+    timed_wake,
+)
 from .logger import MetricsLogger
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
@@ -120,14 +126,13 @@ class Trainer:
         return Policy(model, value_head).to(self.context.device)
 
     def _add_adapter(self, model: torch.nn.Module, resumed: Path | None) -> torch.nn.Module:
-        from peft import LoraConfig as PeftLoraConfig
-        from peft import PeftModel, get_peft_model
+        from peft import LoraConfig, PeftModel, get_peft_model
 
         if resumed is not None:
             return PeftModel.from_pretrained(model, resumed, is_trainable=True)
         lora = self.config.lora
-        return get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.lora_alpha,
-                                                    target_modules=list(lora.target_modules)))
+        return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha,
+                                                target_modules=list(lora.target_modules)))
 
     def _build_reference(self) -> Policy | None:
         if not self.algorithm.needs_reference or self.config.lora.enabled:
@@ -174,18 +179,18 @@ class Trainer:
         """One step: rollouts, rewards, optimizer step, weight update. Returns its metrics
         (averaged over ranks)."""
         self.step += 1
-        wake_seconds = self._wake()
+        wake_seconds = timed_wake(self.llm) or 0.0
         stats_before = self.llm.stats()
         batch = generate_rollouts(self.llm, self.tokenizer, self._examples(self.step),
                                   self.config.rollout, self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
-        sleep_seconds = self._sleep()
+        sleep_seconds = timed_sleep(self.llm) if self.config.rollout.sleep_between_steps else 0.0
         rewards, per_function = self._rewards_of(batch)
         metrics = self._optimize(batch, rewards)
         metrics["sync_seconds"] = self.sync_weights()
         metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
-                       weight_version=float(self.llm.engine.weight_version),
+                       weight_version=float(self.llm.weight_version),
                        lr=self.scheduler.get_last_lr()[0])
         return all_reduce_metrics(metrics, self.context)
 
@@ -280,20 +285,6 @@ class Trainer:
             self.llm.update_weights(full_named_parameters(model), alias=self.config.sync_alias)
         return time.perf_counter() - start
 
-    def _sleep(self) -> float:
-        if not self.config.rollout.sleep_between_steps:
-            return 0.0
-        start = time.perf_counter()
-        self.llm.sleep(1)
-        return time.perf_counter() - start
-
-    def _wake(self) -> float:
-        if not self.llm.engine.sleep_level:
-            return 0.0
-        start = time.perf_counter()
-        self.llm.wake_up()
-        return time.perf_counter() - start
-
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts: each reward's mean, and ``accuracy``
         (the mean of ``eval_reward``, default the first reward). Empty when ``eval_size`` is 0.
@@ -301,7 +292,7 @@ class Trainer:
         size = self.config.eval_size
         if not size:
             return {}
-        self._wake()
+        timed_wake(self.llm)
         examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
         greedy = replace(self.config.rollout, num_generations=1, temperature=0.0)
         batch = generate_rollouts(self.llm, self.tokenizer, examples, greedy, seed=0)

@@ -41,7 +41,7 @@ from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.default_model import resolve_model
 from tandem.sync import LoraSync, peft_adapter_state
 
-from .generation import engine_round_metrics
+from .generation import engine_round_metrics, timed_sleep, timed_wake
 
 TRL_SUPPORTED = ">=1.16,<1.17"
 
@@ -161,7 +161,7 @@ class TandemGeneration(VLLMGeneration):
         self.llm = LLM(str(self._model_folder()), **self._engine_args())
         # TRL's tool loop reads the context limit where vLLM keeps it.
         self.llm.llm_engine = SimpleNamespace(
-            model_config=SimpleNamespace(max_model_len=self.llm.engine.max_model_len))
+            model_config=SimpleNamespace(max_model_len=self.llm.max_model_len))
         sharded = self._dist.is_fsdp or self._dist.is_zero3
         self.lora_sync = (LoraSync(self.llm, mode=self.tandem.lora_sync_mode)
                           if is_peft_model(self.model) and not sharded else None)
@@ -236,16 +236,13 @@ class TandemGeneration(VLLMGeneration):
                 [[[token] for token in c.token_ids] for c in completions])
 
     def _wake(self) -> None:
-        if self.llm.engine.sleep_level:
-            start = time.perf_counter()
-            self.llm.wake_up()
-            self._record({"wake_seconds": time.perf_counter() - start})
+        seconds = timed_wake(self.llm)
+        if seconds is not None:
+            self._record({"wake_seconds": seconds})
 
     def _sleep(self) -> None:
         if self.enable_sleep_mode:
-            start = time.perf_counter()
-            self.llm.sleep(1)
-            self._record({"sleep_seconds": time.perf_counter() - start})
+            self._record({"sleep_seconds": timed_sleep(self.llm)})
 
     def _record(self, values: dict[str, float]) -> None:
         if self.metrics is None:

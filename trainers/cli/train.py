@@ -12,12 +12,13 @@ from tandem.trainers.rewards import RewardError
 
 def add_train_parser(commands: argparse._SubParsersAction) -> None:
     """Register ``train`` on the ``tandem`` command's subparsers."""
-    train = commands.add_parser("train", help="train a policy with GRPO or PPO (a recipe)")
-    train.add_argument("recipe", nargs="?", default=None,
-                       help="a recipe YAML (recipes/grpo_arith.yaml...); omit for defaults")
-    train.add_argument("overrides", nargs="*",
-                       help="section.field=value settings over the recipe (steps=5, "
-                            "optim.lr=1e-5, lora.enabled=true)")
+    train_parser = commands.add_parser("train", help="train a policy with GRPO or PPO (a recipe)")
+    train_parser.set_defaults(run=train)
+    train_parser.add_argument("recipe", nargs="?", default=None,
+                              help="a recipe YAML (recipes/grpo_arith.yaml...); omit for defaults")
+    train_parser.add_argument("overrides", nargs="*",
+                              help="section.field=value settings over the recipe "
+                                   "(steps=5, optim.lr=1e-5, lora.enabled=true)")
 
 
 def train(args: argparse.Namespace) -> int:

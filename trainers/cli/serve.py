@@ -1,0 +1,40 @@
+"""``tandem serve MODEL [--port 8000 --api-key KEY ...]``: serve an engine over HTTP; the
+options are ``EngineConfig``'s and ``ServerConfig``'s fields."""
+
+from __future__ import annotations
+
+import argparse
+
+from tandem.rollout.config import EngineConfig
+from tandem.rollout.default_model import DEFAULT_MODEL
+from tandem.rollout.serving.config import ServerConfig
+
+from .arguments import add_config_arguments, config_from_arguments
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    """Register ``serve`` on the ``tandem`` command's subparsers."""
+    serve_parser = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible, "
+                                       "RL and weight-transfer endpoints)")
+    serve_parser.set_defaults(run=serve)
+    serve_parser.add_argument("model", help=f"local Hugging Face folder or {DEFAULT_MODEL!r}")
+    add_config_arguments(serve_parser, EngineConfig, skip={"model"})
+    add_config_arguments(serve_parser, ServerConfig)
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run ``tandem serve``: load the engine, then serve it until interrupted; returns 0.
+
+    Raises:
+        ValueError: without the ``serve`` extra, or for an invalid option.
+    """
+    try:
+        from tandem.rollout.serving.server import serve as serve_engine
+    except ImportError as error:
+        raise ValueError(f"tandem serve needs the serve extra: pip install "
+                         f"'tandem-rollout[serve]' ({error}).") from error
+    from tandem.rollout import LLMEngine
+
+    engine = LLMEngine(config_from_arguments(EngineConfig, args))
+    serve_engine(engine, config_from_arguments(ServerConfig, args))
+    return 0
