@@ -97,8 +97,10 @@ class ModelRunner:
         self.graphs = graphs
 
     def free_kv_cache(self) -> None:
-        """Release the KV pool's memory and the graphs that read it (``allocate_kv_cache``
-        restores a fresh pool, ``capture_graphs`` the graphs)."""
+        """Release the KV pool's memory, the graphs that read it and every sequence's seeded
+        generator (no sequence outlives its pool); ``allocate_kv_cache`` restores a fresh
+        pool, ``capture_graphs`` the graphs."""
+        self.sampler.release(list(self.sampler.seq_generators))
         self.graphs = None
         self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         for attention in self.model.attention_layers():

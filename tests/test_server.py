@@ -165,12 +165,16 @@ def test_token_id_prompt_returns_prompt_and_completion_ids_with_weight_version(s
                                                                                offline):
     prompt = [5, 9, 33, 70, 2, 81, 100, 4, 17, 3, 44, 12, 200, 7, 8, 9, 10]  # a block plus one
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6,
-                                                         logprobs=0), use_tqdm=False)[0]
+                                                         logprobs=0, prompt_logprobs=2),
+                                use_tqdm=False)[0]
     answer = httpx.post(f"{served[0]}/v1/completions", headers=AUTH, json={
         "prompt": prompt, "temperature": 0, "max_tokens": 6, "logprobs": 0,
-        "return_token_ids": True}).json()
+        "prompt_logprobs": 2, "return_token_ids": True}).json()
     choice = answer["choices"][0]
     assert choice["prompt_token_ids"] == prompt
+    assert choice["prompt_logprobs"][0] is None
+    for ours, offline_entry in zip(choice["prompt_logprobs"][1:], expected.prompt_logprobs[1:]):
+        assert {int(t): v for t, v in ours.items()} == pytest.approx(offline_entry, abs=1e-5)
     assert choice["token_ids"] == expected.outputs[0].token_ids
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected.outputs[0].logprobs,
                                                                  abs=1e-5)

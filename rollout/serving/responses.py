@@ -84,9 +84,10 @@ class ResponseBuilder:
                 "choices": choices, "weight_version": weight_version}
 
     def completion_choice(self, index: int, completion: CompletionOutput,
-                          prompt_token_ids: list[int] | None,
-                          return_token_ids: bool) -> dict[str, Any]:
-        """One ``text_completion`` choice (whole, or a streamed delta)."""
+                          prompt_token_ids: list[int] | None, return_token_ids: bool,
+                          prompt_logprobs: list | None = None) -> dict[str, Any]:
+        """One ``text_completion`` choice (whole, or a streamed delta), with the prompt's
+        log-probs when given (vLLM's field)."""
         choice = {"index": index, "text": completion.text,
                   "logprobs": self._completion_logprobs(completion),
                   "finish_reason": completion.finish_reason,
@@ -94,6 +95,8 @@ class ResponseBuilder:
                   "weight_versions": completion.weight_versions}
         if return_token_ids:
             choice |= {"token_ids": completion.token_ids, "prompt_token_ids": prompt_token_ids}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         return choice
 
     def chat_choice(self, index: int, completion: CompletionOutput, stream: bool,

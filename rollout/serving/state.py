@@ -123,8 +123,9 @@ class TandemServer:
         index = offset + completion.index
         if chat:
             return self.responses.chat_choice(index, completion, stream, body.return_token_ids)
-        return self.responses.completion_choice(index, completion, output.prompt_token_ids,
-                                                body.return_token_ids)
+        return self.responses.completion_choice(
+            index, completion, output.prompt_token_ids, body.return_token_ids,
+            None if stream else output.prompt_logprobs)
 
     async def _events(self, body: SamplingRequest, tracked: list[TrackedRequest],
                       params: SamplingParams, prefix: str, chat: bool) -> AsyncIterator[str]:
