@@ -7,41 +7,45 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample the completions of one prompt.
+    """How to sample the completions of one prompt, with vLLM's names and meanings.
 
-    Attributes follow vLLM: ``n`` completions per prompt (a *group* when n > 1),
-    ``temperature`` (0 means greedy), ``top_p``, ``top_k`` (0 or -1 disables), ``min_p``,
-    ``repetition_penalty`` (over prompt and output, 1 disables), ``presence_penalty`` and
-    ``frequency_penalty`` (over the output, 0 disables), ``max_tokens``, ``min_tokens`` (EOS and
-    stop tokens are suppressed before it), ``stop`` strings, ``stop_token_ids``,
-    ``ignore_eos``, ``seed`` (per-request generator), ``logprobs`` (None: none returned; 0: the
-    sampled token's processed log-prob; k > 0: also the top k), ``prompt_logprobs`` (None:
-    none; 0: each prompt token's log-prob under the model given the tokens before it, raw:
-    no penalty, temperature or truncation; k > 0: also the top k at each position; such a
-    prompt is computed in full, never served from the prefix cache) and
-    ``skip_special_tokens``.
+    Each field's help is in its metadata (``help``), which the server's request schema
+    carries too.
 
     Raises:
         ValueError: on any value outside its range, naming the field and the valid range.
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    seed: int | None = None
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    skip_special_tokens: bool = True
+    n: int = field(default=1, metadata={"help": "completions per prompt (a group when > 1)."})
+    temperature: float = field(default=1.0, metadata={"help": "0 means greedy."})
+    top_p: float = field(default=1.0, metadata={"help": "the nucleus: top probability mass kept."})
+    top_k: int = field(default=0, metadata={"help": "the k most likely kept (0 or -1: all)."})
+    min_p: float = field(default=0.0, metadata={"help": (
+        "keep tokens at least min_p times as likely as the most likely one.")})
+    repetition_penalty: float = field(default=1.0, metadata={"help": (
+        "divides the logits of tokens seen in prompt or output (1 disables).")})
+    presence_penalty: float = field(default=0.0, metadata={"help": "once per output token seen."})
+    frequency_penalty: float = field(default=0.0, metadata={"help": "per output occurrence."})
+    max_tokens: int = field(default=16, metadata={"help": "most tokens per completion."})
+    min_tokens: int = field(default=0, metadata={"help": (
+        "EOS and stop tokens are suppressed before this many tokens.")})
+    stop: list[str] = field(default_factory=list, metadata={"help": (
+        "strings that end a completion (left out of its text).")})
+    stop_token_ids: list[int] = field(default_factory=list, metadata={"help": (
+        "token ids that end a completion (kept in its token ids).")})
+    ignore_eos: bool = field(default=False, metadata={"help": "generate past EOS."})
+    seed: int | None = field(default=None, metadata={"help": (
+        "seed of this request's own generator (None: the engine's).")})
+    logprobs: int | None = field(default=None, metadata={"help": (
+        "None: no log-probs; 0: each sampled token's processed log-prob; k > 0: also the "
+        "top k.")})
+    prompt_logprobs: int | None = field(default=None, metadata={"help": (
+        "None: none; 0: each prompt token's log-prob under the model given the tokens "
+        "before it, raw (no penalty, temperature or truncation); k > 0: also the top k at "
+        "each position. Such a prompt is computed in full, never served from the prefix "
+        "cache.")})
+    skip_special_tokens: bool = field(default=True, metadata={"help": (
+        "leave special tokens out of the text.")})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -29,12 +29,13 @@ OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
 
 
 def _request_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
-    """A dataclass field as pydantic's ``(type, default)``."""
+    """A dataclass field as pydantic's ``(type, Field)``, its help as the description."""
+    description = field.metadata.get("help")
     if field.default_factory is not dataclasses.MISSING:
-        return hint, Field(default_factory=field.default_factory)
+        return hint, Field(default_factory=field.default_factory, description=description)
     if field.default is not dataclasses.MISSING:
-        return hint, field.default
-    return hint, ...
+        return hint, Field(default=field.default, description=description)
+    return hint, Field(description=description)
 
 
 def _sampling_fields() -> dict[str, tuple[Any, Any]]:
