@@ -5,9 +5,10 @@ from tandem.sync import WeightUpdateError
 from .config import EngineConfig
 from .engine import LLMEngine
 from .errors import EngineAsleepError
+from .held import Continuation
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineAsleepError", "EngineConfig", "LLMEngine",
-           "RequestOutput", "SamplingParams", "WeightUpdateError"]
+__all__ = ["LLM", "CompletionOutput", "Continuation", "EngineAsleepError", "EngineConfig",
+           "LLMEngine", "RequestOutput", "SamplingParams", "WeightUpdateError"]

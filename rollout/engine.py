@@ -21,6 +21,7 @@ from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .default_model import resolve_model
 from .errors import EngineAsleepError
+from .held import Continuation, HeldSequences
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt
 from .memory import size_kv_cache
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
@@ -31,9 +32,10 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Request, Sequence, SequenceStatus, child_seed
+from .sequence import Request, Sequence
 
 WAKE_TAGS = ("weights", "kv_cache")
+EnginePrompt = Prompt | ProcessedPrompt | Continuation
 
 
 class LLMEngine:
@@ -78,6 +80,7 @@ class LLMEngine:
         # Held by every step and by weight commits, so an update lands between steps.
         self.lock = threading.RLock()
         self._seq_ids = itertools.count()
+        self.held = HeldSequences()  # outlives each pool: its blocks go, its tokens stay
         self._new_pool()
 
     def _new_pool(self) -> None:
@@ -86,7 +89,8 @@ class LLMEngine:
         self.block_manager.extra_key = (self.weight_version, None)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.eos_token_ids,
-                                   self.max_model_len, self.output_processor.match_stop_string)
+                                   self.max_model_len, self.output_processor.match_stop_string,
+                                   self.held)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
@@ -105,20 +109,22 @@ class LLMEngine:
         """
         return self.input_processor.apply_chat_template(conversation, add_generation_prompt)
 
-    def add_request(self, request_id: str, prompt: Prompt | ProcessedPrompt,
-                    sampling_params: SamplingParams) -> None:
-        """Queue a prompt (text, ids, or processed); its ``n`` sequences fork once it is
-        prefilled.
+    def add_request(self, request_id: str, prompt: EnginePrompt,
+                    sampling_params: SamplingParams, hold_kv: bool = False) -> None:
+        """Queue a prompt (text, ids, processed, or a ``Continuation``); its ``n`` sequences
+        fork once it is prefilled. With ``hold_kv`` each finished completion keeps its KV
+        blocks, held under ``(request_id, index)`` until continued or ``release``d.
 
         Raises:
-            ValueError: for a duplicate request id, n above max_num_seqs, or a prompt
-                ``process_prompt`` refuses; nothing is queued then.
+            ValueError: for a duplicate request id, n above max_num_seqs, a prompt
+                ``process_prompt`` refuses, or a continuation of nothing held; nothing is
+                queued then.
             EngineAsleepError: while the engine sleeps.
         """
-        self.add_requests([request_id], [prompt], [sampling_params])
+        self.add_requests([request_id], [prompt], [sampling_params], hold_kv)
 
-    def add_requests(self, request_ids: Seq[str], prompts: Seq[Prompt | ProcessedPrompt],
-                     params: Seq[SamplingParams]) -> None:
+    def add_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
+                     params: Seq[SamplingParams], hold_kv: bool = False) -> None:
         """Queue several requests, all or none: every one is checked before any is queued.
 
         Raises:
@@ -127,45 +133,51 @@ class LLMEngine:
         if self.sleep_level:
             raise EngineAsleepError("the engine is asleep (its KV pool is freed): call "
                                     "wake_up() before generating.")
+        self._check_new_requests(request_ids, params)
+        resolved = [self._resolve(prompt) for prompt in prompts]
+        continued = [held for _, held in resolved if held is not None]
+        if len({id(seq) for seq in continued}) < len(continued):
+            raise ValueError("one call continues a held completion twice: continue it once.")
+        for request_id, (prompt, held), p in zip(request_ids, resolved, params):
+            request = Request(request_id, prompt.prompt, prompt.prompt_token_ids, p)
+            self._queue(request, hold_kv, held)
+
+    def _resolve(self, prompt: EnginePrompt) -> tuple[ProcessedPrompt, Sequence | None]:
+        """The processed prompt, and for a continuation the held sequence it resumes."""
+        if not isinstance(prompt, Continuation):
+            return self.process_prompt(prompt), None
+        held = self.held.available(prompt.key)
+        return self.process_prompt(held.token_ids + list(prompt.token_ids)), held
+
+    def release(self, request_id: str, index: int = 0) -> None:
+        """Stop holding completion ``index`` of request ``request_id`` and free its blocks.
+
+        Raises:
+            ValueError: when nothing is held under it, or a continuation claimed it.
+        """
+        with self.lock:
+            self.scheduler.release_held(self.held.available((request_id, index)))
+
+    def _check_new_requests(self, request_ids: Seq[str], params: Seq[SamplingParams]) -> None:
         for p in params:
-            self._check_group_size(p)
-        self._check_request_ids(request_ids)
-        processed = [self.process_prompt(prompt) for prompt in prompts]
-        for request_id, prompt, p in zip(request_ids, processed, params):
-            self._queue(Request(request_id, prompt.prompt, prompt.prompt_token_ids, p))
-
-    def _check_group_size(self, params: SamplingParams) -> None:
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs} "
-                             "(a group runs in one batch): lower n or raise max_num_seqs.")
-
-    def _check_request_ids(self, request_ids: Seq[str]) -> None:
+            if p.n > self.config.max_num_seqs:
+                raise ValueError(f"n={p.n} exceeds max_num_seqs={self.config.max_num_seqs} (a "
+                                 "group runs in one batch): lower n or raise max_num_seqs.")
         for request_id in request_ids:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use.")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request ids repeat within one call: give each its own id.")
 
-    def _queue(self, request: Request) -> None:
-        request.seqs = [self._new_sequence(request, index)
-                        for index in range(request.sampling_params.n)]
-        first, *children = request.seqs
-        for child in children:
-            child.status = SequenceStatus.FORK_PENDING
-        first.pending_children = children
+    def _queue(self, request: Request, hold_kv: bool, held: Sequence | None) -> None:
+        first = request.make_sequences(self._seq_ids, hold_kv)
+        if held is not None:
+            self.held.claim(held)
+            first.resume_from = held
         if not self.requests:
             self.kv_blocks_used_peak = 0
         self.requests[request.request_id] = request
         self.scheduler.add(first)
-
-    def _new_sequence(self, request: Request, index: int) -> Sequence:
-        seed = request.sampling_params.seed
-        return Sequence(
-            seq_id=next(self._seq_ids), request_id=request.request_id, index=index,
-            token_ids=list(request.prompt_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
-            sampling_params=request.sampling_params,
-            seed=None if seed is None else child_seed(seed, index))
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests it finished."""
@@ -207,7 +219,7 @@ class LLMEngine:
                                                  self.weight_version, finished=False)
 
     def num_output_tokens(self, request_id: str) -> int | None:
-        """Tokens generated so far by all sequences of a request (None: unknown or finished)."""
+        """Tokens generated so far by a request's sequences (None: unknown or finished)."""
         request = self.requests.get(request_id)
         return None if request is None else request.num_output_tokens
 
@@ -222,7 +234,8 @@ class LLMEngine:
         ``memory_*``), the decode graphs (how many, the seconds and device bytes their last
         capture took), KV pool use (``kv_blocks_used_peak``: the most blocks held at once since
         the engine was last idle), queue lengths, weight version, prefix-cache hits,
-        copy-on-write copies and preemptions.
+        copy-on-write copies, preemptions, prefill tokens computed (since the pool was made)
+        and held sequences.
         """
         block_manager = self.block_manager
         plan = self.memory_plan.as_stats() if self.memory_plan else {}
@@ -244,6 +257,8 @@ class LLMEngine:
             "prefix_cache_hit_tokens": block_manager.num_hit_tokens,
             "cow_copies": block_manager.num_cow_copies,
             "preemptions": self.scheduler.num_preemptions,
+            "prefill_tokens": self.scheduler.num_prefill_tokens,
+            "held_sequences": len(self.held),
         }
 
     def weight_update(self, version: int | None = None, full: bool = True,
@@ -293,8 +308,7 @@ class LLMEngine:
                     parameters[name].data = tensor
                 else:
                     parameters[name].copy_(tensor)
-            self.weight_version = version
-            self.block_manager.extra_key = (version, None)
+            self._serve_version(version, None)
             if moved:
                 self._recapture_graphs()
 
@@ -318,9 +332,15 @@ class LLMEngine:
         with self.lock:
             for name, module in modules.items():
                 module.set_lora(factors.get(name))
-            self.weight_version = version
-            self.block_manager.extra_key = (version, lora_id)
+            self._serve_version(version, lora_id)
             self._recapture_graphs()  # the graphs were captured with or without adapters
+
+    def _serve_version(self, version: int, lora_id: int | None) -> None:
+        """Serve new weights from the next step: held KV of the old ones is released (a
+        continuation recomputes), and the prefix cache keys on the new version."""
+        self.weight_version = version
+        self.block_manager.extra_key = (version, lora_id)
+        self.scheduler.release_held_kv()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
@@ -335,6 +355,7 @@ class LLMEngine:
             raise ValueError("cannot sleep with unfinished requests: let them finish or abort "
                              "them first.")
         with self.lock:
+            self.scheduler.release_held_kv()
             self.runner.free_kv_cache()
             if level == 2 and not self.weights_offloaded:
                 self.runner.offload_weights()

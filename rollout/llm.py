@@ -16,11 +16,13 @@ from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
 from .engine import LLMEngine
+from .held import Continuation
 from .input_processor import Prompt
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 Conversation = list[dict[str, str]]
+LLMPrompt = Prompt | Continuation
 
 
 class LLM:
@@ -44,13 +46,16 @@ class LLM:
         """The model's tokenizer (None when the folder has none)."""
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
+    def generate(self, prompts: LLMPrompt | Seq[LLMPrompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, hold_kv: bool = False) -> list[RequestOutput]:
         """Generate completions for one prompt or a list of prompts, in input order.
 
-        A prompt is a string or a list of token ids. ``sampling_params`` is one for all
-        prompts or one per prompt (default: ``SamplingParams()``).
+        A prompt is a string, a list of token ids, or a ``Continuation`` of a held
+        completion. ``sampling_params`` is one for all prompts or one per prompt (default:
+        ``SamplingParams()``). With ``hold_kv`` every completion keeps its KV blocks for a
+        later turn: continue it with ``Continuation(output.request_id, completion.index,
+        new_token_ids)``, or ``release`` it.
 
         Raises:
             ValueError: for any invalid prompt or parameter list, before anything is queued.
@@ -58,8 +63,16 @@ class LLM:
         prompt_list = as_prompt_list(prompts)
         params = params_per_prompt(sampling_params, len(prompt_list))
         request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_list]
-        self.engine.add_requests(request_ids, prompt_list, params)
+        self.engine.add_requests(request_ids, prompt_list, params, hold_kv)
         return self._run(request_ids, use_tqdm)
+
+    def release(self, request_id: str, index: int = 0) -> None:
+        """Free the KV blocks a held completion keeps (see ``generate``'s ``hold_kv``).
+
+        Raises:
+            ValueError: when nothing is held under it, or a continuation claimed it.
+        """
+        self.engine.release(request_id, index)
 
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -158,13 +171,13 @@ def _config_fields(engine_args: dict[str, Any]) -> dict[str, Any]:
     return engine_args
 
 
-def as_prompt_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
-    """One prompt (text or token ids) or a list of them, as a list.
+def as_prompt_list(prompts: LLMPrompt | Seq[LLMPrompt]) -> list[LLMPrompt]:
+    """One prompt (text, token ids or a continuation) or a list of them, as a list.
 
     Raises:
         ValueError: for an empty list.
     """
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Continuation):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
+from .held import HeldSequences
 from .outputs import SamplerOutput
 from .sequence import Sequence, SequenceStatus
 
@@ -88,11 +89,13 @@ class Scheduler:
         match_stop_string: the stop string a sequence's newest text holds, if any (the
             output processor's incremental detokenizer); asked only of requests with
             stop strings.
+        held: the finished sequences kept for continuation (their blocks are released,
+            least recently finished first, before any running sequence is preempted).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: set[int], max_model_len: int,
-                 match_stop_string: StopStringMatcher) -> None:
+                 match_stop_string: StopStringMatcher, held: HeldSequences) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,7 +104,9 @@ class Scheduler:
         self.match_stop_string = match_stop_string
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.held = held
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0
         self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
@@ -139,6 +144,8 @@ class Scheduler:
         Returns False when ``seq`` itself had to be preempted.
         """
         while (allocation := self.block_manager.allocate_slots(seq, 1)) is None:
+            if self.release_held_kv(1):
+                continue
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -149,13 +156,46 @@ class Scheduler:
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
         """Schedule a prefill chunk of ``seq`` within ``budget``; the tokens scheduled (0:
         the pool is short)."""
+        if seq.resume_from is not None:
+            self._resume(seq)
         use_cache = not seq.needs_prompt_logprobs  # a cache hit has no logits to score
-        allocation = self.block_manager.allocate_slots(seq, budget, use_cache)
-        if allocation is None:
-            return 0
+        while (allocation := self.block_manager.allocate_slots(seq, budget, use_cache)) is None:
+            if not self.release_held_kv(1):
+                if seq.status is SequenceStatus.WAITING and seq.block_table:
+                    self._drop_blocks(seq)  # never wait holding blocks: recompute instead
+                return 0
         seq.num_computed_tokens += allocation.num_cached_tokens
         batch.add(seq, allocation.num_new_tokens, allocation.copy)
+        self.num_prefill_tokens += allocation.num_new_tokens
         return allocation.num_new_tokens
+
+    def _resume(self, seq: Sequence) -> None:
+        """Give a continuation the blocks of the held sequence it continues, if it still
+        holds them (its tokens are a prefix of the continuation's)."""
+        held, seq.resume_from = seq.resume_from, None
+        self.held.remove(held)
+        seq.block_table, held.block_table = held.block_table, []
+        seq.block_hashes, held.block_hashes = held.block_hashes, []
+        seq.num_computed_tokens = held.num_computed_tokens if seq.block_table else 0
+
+    def release_held_kv(self, count: int | None = None) -> bool:
+        """Free the blocks of the ``count`` least recently finished held sequences (None:
+        all); they stay held, to be recomputed through the prefix cache. Returns False when
+        no held sequence had blocks."""
+        victims = self.held.with_blocks()[:count]
+        for seq in victims:
+            self._drop_blocks(seq)
+        return bool(victims)
+
+    def release_held(self, seq: Sequence) -> None:
+        """Stop holding ``seq`` and free its blocks."""
+        self.held.remove(seq)
+        if seq.block_table:
+            self._drop_blocks(seq)
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
 
     def _can_admit(self, seq: Sequence) -> bool:
         """True when ``seq`` and the rest of its group fit under ``max_num_seqs``."""
@@ -245,12 +285,21 @@ class Scheduler:
         return [parent, *children]
 
     def finish(self, seq: Sequence, finish_reason: str) -> None:
-        """Retire ``seq`` (done or aborted) and return its blocks to the pool."""
+        """Retire ``seq`` (done or aborted) and return its blocks to the pool, or, for a
+        sequence that holds its KV and was not aborted, hold it with them."""
+        holds = seq.hold_kv and finish_reason != "abort"
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.block_manager.free(seq)
+            if not holds:
+                self.block_manager.free(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            if seq.block_table:  # it resumed blocks, then waited for the rest
+                self.block_manager.free(seq)
+            if seq.resume_from is not None:  # the held sequence it would have continued
+                self.release_held(seq.resume_from)
+        if holds:
+            self.held.add(seq)
         # a FORK_PENDING child holds nothing; its parent will skip it
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason

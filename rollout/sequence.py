@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -31,7 +32,9 @@ class Sequence:
     tokens are all scheduled in one step samples a new token at the end of that step.
 
     ``block_hashes`` are the prefix-cache hashes of its full blocks, in order;
-    ``prompt_logprobs`` the prompt positions scored so far (when asked). The first
+    ``prompt_logprobs`` the prompt positions scored so far (when asked). A sequence with
+    ``hold_kv`` keeps its blocks when it finishes (see ``held.py``); ``resume_from`` is the
+    held sequence a continuation takes its blocks from when it is admitted. The first
     sequence of a group carries the others in ``pending_children`` until its prompt is
     prefilled; then they fork from it, sharing its blocks.
     """
@@ -55,6 +58,8 @@ class Sequence:
     stop_reason: int | str | None = None
     first_weight_version: int | None = None
     last_weight_version: int | None = None
+    hold_kv: bool = False
+    resume_from: Sequence | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -129,3 +134,18 @@ class Request:
     def num_output_tokens(self) -> int:
         """Tokens generated so far by all its sequences."""
         return sum(seq.num_output_tokens for seq in self.seqs)
+
+    def make_sequences(self, seq_ids: Iterator[int], hold_kv: bool) -> Sequence:
+        """Create the request's ``n`` sequences (ids from ``seq_ids``); return the first,
+        which carries the others as ``pending_children`` until its prompt is prefilled."""
+        params, prompt = self.sampling_params, self.prompt_token_ids
+        self.seqs = [Sequence(
+            seq_id=next(seq_ids), request_id=self.request_id, index=index,
+            token_ids=list(prompt), num_prompt_tokens=len(prompt), sampling_params=params,
+            seed=None if params.seed is None else child_seed(params.seed, index),
+            hold_kv=hold_kv) for index in range(params.n)]
+        first, *children = self.seqs
+        for child in children:
+            child.status = SequenceStatus.FORK_PENDING
+        first.pending_children = children
+        return first

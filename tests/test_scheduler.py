@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.block_manager import BlockManager
+from tandem.rollout.held import HeldSequences
 from tandem.rollout.outputs import SamplerOutput
 from tandem.rollout.scheduler import Scheduler
 from tandem.rollout.sequence import Sequence
@@ -48,7 +49,8 @@ def make_seq(seq_id: int, num_tokens: int) -> Sequence:
 def make_scheduler(max_num_batched_tokens: int) -> Scheduler:
     return Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
                      max_num_batched_tokens=max_num_batched_tokens, eos_token_ids={0},
-                     max_model_len=64, match_stop_string=lambda seq: None)
+                     max_model_len=64, match_stop_string=lambda seq: None,
+                     held=HeldSequences())
 
 
 def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
