@@ -1,0 +1,133 @@
+"""Environments for multi-turn episodes: the protocol, and tools built from Python functions.
+
+An episode alternates model turns and environment steps: ``reset`` gives the first messages
+from a dataset example; after each model turn, ``step`` gets the conversation so far (ending
+with the model's message) and answers with the next observation messages, a reward and
+whether the episode is done.
+
+``ToolEnvironment`` answers tool calls. Calls are parsed from the model's text in the
+Hermes/Qwen format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the one
+Qwen's chat templates teach; SmolLM2's template has none, so a system prompt teaches it),
+each tool's JSON schema comes from its signature and docstring (transformers'
+``get_json_schema``), and every failure (bad JSON, an unknown tool, wrong arguments, a tool
+that raises or runs past its timeout) becomes an error observation the model can read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from transformers.utils import get_json_schema
+
+from .tasks import Example
+
+Message = dict[str, Any]
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+@dataclass(slots=True)
+class EnvStep:
+    """An environment's answer to one model turn.
+
+    Attributes:
+        messages: the observation messages to append (e.g. ``{"role": "tool", ...}``).
+        reward: the step's reward (the task's reward functions score the whole episode too).
+        done: the episode ends here (the model's turn was its final answer).
+        metrics: counts to log (``tool_calls``, ``tool_errors``).
+    """
+
+    messages: list[Message] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    """What an episode's environment offers."""
+
+    def reset(self, example: Example) -> list[Message]:
+        """The episode's first messages for a dataset example."""
+
+    def step(self, messages: list[Message]) -> EnvStep:
+        """The answer to the conversation so far, which ends with the model's message."""
+
+
+def check_step(step: Any, environment: object) -> EnvStep:
+    """``step`` when it is an ``EnvStep`` of well-formed messages.
+
+    Raises:
+        ValueError: naming the environment, for anything else.
+    """
+    name = type(environment).__name__
+    if not isinstance(step, EnvStep):
+        raise ValueError(f"{name}.step returned {type(step).__name__}, not an EnvStep.")
+    for message in step.messages:
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"{name}.step returned {message!r}, not a message (a dict with "
+                             "a string role and content).")
+    return step
+
+
+class ToolEnvironment:
+    """Answers the model's tool calls with the results of plain Python functions.
+
+    Args:
+        tools: the functions (typed, with Google-style docstrings for their schemas).
+        timeout: seconds a call may run; a slower one becomes an error observation (its
+            thread is left to finish in the background).
+        system_prompt: an optional system message put before the example's messages (where
+            the chat template cannot render tools, it is where the format is taught).
+    """
+
+    def __init__(self, tools: list[Callable[..., Any]], timeout: float = 10.0,
+                 system_prompt: str | None = None) -> None:
+        self.tools = {tool.__name__: tool for tool in tools}
+        self.schemas = [get_json_schema(tool) for tool in tools]
+        self.timeout = timeout
+        self.system_prompt = system_prompt
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
+
+    def reset(self, example: Example) -> list[Message]:
+        """The system prompt (if any), then the example's prompt as messages."""
+        prompt = example["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        return system + [dict(m) for m in messages]
+
+    def step(self, messages: list[Message]) -> EnvStep:
+        """Run every tool call of the model's last message; no call ends the episode."""
+        calls = TOOL_CALL.findall(messages[-1]["content"])
+        if not calls:
+            return EnvStep(done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0})
+        results = [self._answer(call) for call in calls]
+        errors = sum(result.startswith("error:") for result in results)
+        return EnvStep(messages=[{"role": "tool", "content": result} for result in results],
+                       metrics={"tool_calls": float(len(calls)), "tool_errors": float(errors)})
+
+    def _answer(self, call_text: str) -> str:
+        """A call's result as text, or ``error: ...`` saying what went wrong."""
+        try:
+            call = json.loads(call_text)
+            name, arguments = call["name"], call.get("arguments", {})
+        except (ValueError, KeyError, TypeError) as exc:
+            return f"error: the tool call is not JSON with a name and arguments ({exc})."
+        tool = self.tools.get(name) if isinstance(name, str) else None
+        if tool is None or not isinstance(arguments, dict):
+            return (f"error: unknown tool {name!r} or arguments not an object; tools: "
+                    f"{', '.join(self.tools)}.")
+        future = self._executor.submit(tool, **arguments)
+        try:
+            return str(future.result(timeout=self.timeout))
+        except FutureTimeout:
+            return f"error: {name} ran past its {self.timeout} s timeout."
+        except TypeError as exc:
+            return f"error: wrong arguments for {name}: {exc}."
+        except Exception as exc:  # the tool's own failure is the model's to read
+            return f"error: {name} raised {type(exc).__name__}: {exc}."
