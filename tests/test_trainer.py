@@ -145,3 +145,38 @@ def test_sleep_between_steps_frees_the_kv_pool_while_the_trainer_steps(llama_dir
     second = trainer.train_step()
     assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
     assert trainer.llm.weight_version == 2
+
+
+def test_grpo_trains_on_multi_turn_episodes_masking_environment_tokens(llama_dir, tmp_path,
+                                                                       target_token):
+    """Episodes of several turns: the loss and the on-policy check cover the model's tokens
+    only (an environment token counted would show as a large sampler-vs-trainer gap)."""
+    from tandem.trainers.environments import EnvStep
+    from tandem.trainers.tasks import Task
+
+    class Echo:
+        def __init__(self) -> None:
+            self.turns = 0
+
+        def reset(self, example):
+            return list(example["prompt"])
+
+        def step(self, messages):
+            self.turns += 1
+            return EnvStep([{"role": "tool", "content": f"seen {self.turns}"}],
+                           done=self.turns >= 2)
+
+    def longer(completions, **_):
+        return [float(sum(len(m["content"]) for m in c if m["role"] == "assistant"))
+                for c in completions]
+
+    task = Task(lambda seed, i: {"prompt": [{"role": "user", "content": f"Say {i}."}]}, [],
+                {"longer": longer}, [("longer", 1.0)], lambda example: Echo())
+    config = make_config(llama_dir, tmp_path, target_token, steps=2)
+    config.rollout.max_turns, config.rollout.max_tokens = 3, 4
+    trainer = Trainer(config, task=task)
+    history = [trainer.train_step() for _ in range(2)]
+    for metrics in history:
+        assert metrics["episode_turns"] > 1 and metrics["episode_environment_tokens"] > 0
+        assert metrics["sampler_logprob_diff_max"] < 1e-4
+    assert trainer.llm.stats()["held_sequences"] == 0

@@ -45,6 +45,10 @@ class RolloutConfig:
             distribution, which the trainer does not reproduce.
         engine: keyword arguments of ``LLM`` (memory, block size, max_num_seqs...).
         sleep_between_steps: free the engine's KV pool while the trainer steps.
+        max_turns: for a task with an environment, most model turns per episode
+            (``max_tokens`` is then per turn).
+        max_total_tokens: for a task with an environment, most tokens per episode (default
+            the engine's max_model_len).
     """
 
     prompts_per_step: int = 8
@@ -54,6 +58,8 @@ class RolloutConfig:
     top_p: float = 1.0
     engine: dict[str, Any] = field(default_factory=dict)
     sleep_between_steps: bool = False
+    max_turns: int = 4
+    max_total_tokens: int | None = None
 
 
 @dataclass(slots=True)

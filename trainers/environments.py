@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from transformers.utils import get_json_schema
-
-from .tasks import Example
 
 Message = dict[str, Any]
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -51,7 +48,7 @@ class EnvStep:
 class Environment(Protocol):
     """What an episode's environment offers."""
 
-    def reset(self, example: Example) -> list[Message]:
+    def reset(self, example: Mapping[str, Any]) -> list[Message]:
         """The episode's first messages for a dataset example."""
 
     def step(self, messages: list[Message]) -> EnvStep:
@@ -92,9 +89,8 @@ class ToolEnvironment:
         self.schemas = [get_json_schema(tool) for tool in tools]
         self.timeout = timeout
         self.system_prompt = system_prompt
-        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tool")
 
-    def reset(self, example: Example) -> list[Message]:
+    def reset(self, example: Mapping[str, Any]) -> list[Message]:
         """The system prompt (if any), then the example's prompt as messages."""
         prompt = example["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
@@ -122,12 +118,22 @@ class ToolEnvironment:
         if tool is None or not isinstance(arguments, dict):
             return (f"error: unknown tool {name!r} or arguments not an object; tools: "
                     f"{', '.join(self.tools)}.")
-        future = self._executor.submit(tool, **arguments)
-        try:
-            return str(future.result(timeout=self.timeout))
-        except FutureTimeout:
+        outcome: dict[str, Any] = {}
+        thread = threading.Thread(target=_call, args=(tool, arguments, outcome), daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        if thread.is_alive():  # left to finish in the background; its result is dropped
             return f"error: {name} ran past its {self.timeout} s timeout."
-        except TypeError as exc:
-            return f"error: wrong arguments for {name}: {exc}."
-        except Exception as exc:  # the tool's own failure is the model's to read
-            return f"error: {name} raised {type(exc).__name__}: {exc}."
+        error = outcome.get("error")
+        if isinstance(error, TypeError):
+            return f"error: wrong arguments for {name}: {error}."
+        if error is not None:  # the tool's own failure is the model's to read
+            return f"error: {name} raised {type(error).__name__}: {error}."
+        return str(outcome["value"])
+
+
+def _call(tool: Callable[..., Any], arguments: dict[str, Any], outcome: dict[str, Any]) -> None:
+    try:
+        outcome["value"] = tool(**arguments)
+    except Exception as exc:
+        outcome["error"] = exc

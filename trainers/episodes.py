@@ -106,10 +106,12 @@ class Trajectory:
         loss_mask: 1 for each token the model sampled, 0 for prompt and environment tokens.
         logprobs: the engine's processed log-prob of each sampled token, in order.
         num_prompt_tokens: the first prompt's length.
+        num_prompt_messages: how many of ``messages`` the environment's reset gave.
         num_turns: model turns.
         finish_reason: ``"done"`` (the environment ended it), ``"max_turns"``,
-            ``"max_total_tokens"`` or ``"length"`` (a turn ran out of tokens or the model's
-            context; truncated, not an error).
+            ``"max_total_tokens"`` (no room for the next observation) or ``"length"`` (a turn
+            filled the episode's tokens); truncated, not an error. A turn cut at
+            ``max_tokens`` is closed by the template's end-of-turn glue and answered.
         rewards: each environment step's reward.
         metrics: summed environment counts (``tool_calls``, ``tool_errors``).
     """
@@ -119,6 +121,7 @@ class Trajectory:
     loss_mask: list[int]
     logprobs: list[float] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    num_prompt_messages: int = 0
     num_turns: int = 0
     finish_reason: str | None = None
     rewards: list[float] = field(default_factory=list)
@@ -196,7 +199,8 @@ class EpisodeRunner:
         messages = environment.reset(example)
         prompt = self.conversations.prompt_ids(messages)
         return _Episode(number, environment, Trajectory(
-            list(messages), list(prompt), [0] * len(prompt), num_prompt_tokens=len(prompt)))
+            list(messages), list(prompt), [0] * len(prompt), num_prompt_tokens=len(prompt),
+            num_prompt_messages=len(messages)))
 
     def _add(self, episodes: list[_Episode], prompt: list[int] | Continuation,
              params: SamplingParams) -> None:
@@ -228,9 +232,9 @@ class EpisodeRunner:
             trajectory.num_turns += 1
             trajectory.messages.append(message)
             self.events.append(("turn", episode.number))
-            if completion.finish_reason != "stop":  # out of tokens: the turn cannot close
+            if len(trajectory.token_ids) >= self.max_total_tokens - 1:  # no room to go on
                 self._finish(episode, "length")
-            else:
+            else:  # a turn cut at max_tokens is closed by the glue and answered as any other
                 future = self._executor.submit(episode.environment.step,
                                                list(trajectory.messages))
                 pending[future] = episode

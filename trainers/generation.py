@@ -4,7 +4,8 @@ the engine's round metrics, and its timed sleep and wake-up between rounds."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,6 +14,8 @@ from transformers import PreTrainedTokenizerBase
 from tandem.rollout import LLM, SamplingParams
 
 from .config import RolloutConfig
+from .environments import Environment
+from .episodes import EpisodeRunner, Trajectory
 from .tasks import Example
 
 
@@ -26,20 +29,27 @@ class RolloutBatch:
         prompt_ids: each row's prompt token ids.
         completion_ids: each row's sampled token ids (ending with EOS when it stopped).
         completions: each row's completion text.
-        sampler_logprobs: the engine's processed log-prob of every sampled token.
+        sampler_logprobs: the engine's processed log-prob of every completion token (0 at
+            an episode's environment tokens, which the loss mask leaves out).
         group_ids: the prompt (group) index of each row.
         columns: the examples' other columns, one value per row.
         seconds: wall time of the generation.
+        loss_masks: per completion token, 1 where the model sampled it (an episode's
+            environment tokens are 0); None for single-turn rows (all sampled).
+        metrics: episode counts (turns, tool calls and errors, model and environment
+            tokens), empty for single-turn rollouts.
     """
 
     prompts: list[Any]
     prompt_ids: list[list[int]]
     completion_ids: list[list[int]]
-    completions: list[str]
+    completions: list[Any]
     sampler_logprobs: list[list[float]]
     group_ids: torch.Tensor
     columns: dict[str, list[Any]]
     seconds: float
+    loss_masks: list[list[int]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -82,6 +92,56 @@ def generate_rollouts(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: li
         group_ids=torch.tensor([i for i, _ in rows]),
         columns=columns,
         seconds=seconds)
+
+
+def generate_episodes(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+                      config: RolloutConfig, seed: int,
+                      make_environment: Callable[[Example], Environment]) -> RolloutBatch:
+    """Run ``config.num_generations`` episodes of every example (see ``EpisodeRunner``),
+    flattened as ``generate_rollouts`` flattens completions: the completion of a row is
+    everything after its first prompt, its ``completions`` entry the messages after it."""
+    params = SamplingParams(n=config.num_generations, temperature=config.temperature,
+                            top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
+                            seed=seed)
+    runner = EpisodeRunner(llm.engine, tokenizer, params, config.max_turns,
+                           config.max_total_tokens)
+    start = time.perf_counter()
+    groups = runner.run(examples, make_environment)
+    seconds = time.perf_counter() - start
+    rows = [(index, t) for index, group in enumerate(groups) for t in group]
+    return RolloutBatch(
+        prompts=[examples[i]["prompt"] for i, _ in rows],
+        prompt_ids=[t.token_ids[:t.num_prompt_tokens] for _, t in rows],
+        completion_ids=[t.token_ids[t.num_prompt_tokens:] for _, t in rows],
+        completions=[t.messages[t.num_prompt_messages:] for _, t in rows],
+        sampler_logprobs=[_spread(t.logprobs, t.loss_mask[t.num_prompt_tokens:])
+                          for _, t in rows],
+        group_ids=torch.tensor([i for i, _ in rows]),
+        columns={key: [examples[i][key] for i, _ in rows]
+                 for key in examples[0] if key != "prompt"},
+        seconds=seconds,
+        loss_masks=[t.loss_mask[t.num_prompt_tokens:] for _, t in rows],
+        metrics=episode_metrics([t for _, t in rows]))
+
+
+def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:
+    """The sampled tokens' log-probs at their positions, 0 at environment tokens."""
+    values = iter(logprobs)
+    return [next(values) if sampled else 0.0 for sampled in loss_mask]
+
+
+def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Means per episode: turns, tool calls, tool errors, model and environment tokens."""
+    count = max(len(trajectories), 1)
+    model_tokens = sum(sum(t.loss_mask[t.num_prompt_tokens:]) for t in trajectories)
+    all_tokens = sum(len(t.token_ids) - t.num_prompt_tokens for t in trajectories)
+    return {"episode_turns": sum(t.num_turns for t in trajectories) / count,
+            "episode_tool_calls": sum(t.metrics.get("tool_calls", 0.0)
+                                      for t in trajectories) / count,
+            "episode_tool_errors": sum(t.metrics.get("tool_errors", 0.0)
+                                       for t in trajectories) / count,
+            "episode_model_tokens": model_tokens / count,
+            "episode_environment_tokens": (all_tokens - model_tokens) / count}
 
 
 def engine_round_metrics(before: dict[str, float], after: dict[str, float]

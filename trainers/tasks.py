@@ -14,7 +14,9 @@ stream that repeats with the seed, and a held-out set that never overlaps it.
 
 from __future__ import annotations
 
+import ast
 import json
+import operator
 import random
 import re
 import zlib
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .environments import Environment, ToolEnvironment
 from .rewards import RewardFn
 
 Example = dict[str, Any]
@@ -41,12 +44,15 @@ class Task:
         eval_examples: the held-out examples (disjoint from every training example).
         rewards: reward functions by name.
         default_rewards: (name, weight) pairs used when the recipe names none.
+        environment: for multi-turn tasks, a new environment for an example (each episode,
+            each member of a group, gets its own); None for single-turn tasks.
     """
 
     train_example: Callable[[int, int], Example]
     eval_examples: list[Example]
     rewards: dict[str, RewardFn]
     default_rewards: list[tuple[str, float]]
+    environment: Callable[[Example], Environment] | None = None
 
 
 def build_task(name: str, **task_args: Any) -> Task:
@@ -55,7 +61,8 @@ def build_task(name: str, **task_args: Any) -> Task:
     Raises:
         ValueError: for an unknown task or invalid arguments.
     """
-    builders = {"arith": arith_task, "gsm8k": gsm8k_task, "target_token": target_token_task}
+    builders = {"arith": arith_task, "calculator": calculator_task, "gsm8k": gsm8k_task,
+                "target_token": target_token_task}
     if name not in builders:
         raise ValueError(f"unknown task {name!r}: use one of {', '.join(builders)}.")
     try:
@@ -65,8 +72,11 @@ def build_task(name: str, **task_args: Any) -> Task:
 
 
 def completion_text(completion: Completion) -> str:
-    """A completion's text: itself, or the content of its last message."""
-    return completion if isinstance(completion, str) else completion[-1]["content"]
+    """A completion's text: itself, or the content of its last assistant message (an
+    episode's may end with a tool's answer)."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def last_integer(text: str) -> int | None:
@@ -98,6 +108,62 @@ def arith_task(max_operand: int = 9, operations: str = "+-", eval_size: int = 64
     return Task(train_example, [_arith_example(q) for q in eval_questions],
                 {"correct": correct_reward, "format": short_answer_reward},
                 [("correct", 1.0), ("format", 0.5)])
+
+
+def calculator_task(max_operand: int = 999, eval_size: int = 32,
+                    timeout: float = 2.0) -> Task:
+    """Products ``a * b`` too large to do in one's head, with a ``calculator`` tool.
+
+    Episodes: the model may call the tool (Hermes format, taught by the system prompt, as
+    SmolLM2's template has no tools) and then answers; rewards ``correct`` (the last
+    integer of its final message) and ``format`` (that final message is one short line).
+    """
+    if max_operand < 10:
+        raise ValueError("calculator needs max_operand >= 10")
+
+    def example(rng: random.Random) -> Example:
+        a, b = rng.randint(10, max_operand), rng.randint(10, max_operand)
+        return {"prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
+                "answer": a * b}
+
+    def train_example(seed: int, index: int) -> Example:
+        return example(random.Random(seed * 1_000_003 + index))
+
+    rng = random.Random(4321)
+    return Task(train_example, [example(rng) for _ in range(eval_size)],
+                {"correct": correct_reward, "format": short_answer_reward},
+                [("correct", 1.0), ("format", 0.2)],
+                lambda _: ToolEnvironment([calculator], timeout, CALCULATOR_SYSTEM))
+
+
+CALCULATOR_SYSTEM = (
+    "You can use a calculator. To call it, write exactly <tool_call>{\"name\": "
+    "\"calculator\", \"arguments\": {\"expression\": \"12 * 34\"}}</tool_call> and wait for "
+    "its answer. Then answer in one short line that ends with the number.")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression of integers with + - * / and parentheses.
+
+    Args:
+        expression: the expression, for example "347 * 29".
+    """
+    return str(_evaluate(ast.parse(expression, mode="eval").body))
+
+
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv}
+
+
+def _evaluate(node: ast.AST) -> int | float:
+    """An arithmetic expression's value: integers, + - * / and unary minus, nothing else."""
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_evaluate(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+        return ARITHMETIC[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    raise ValueError("only integers, + - * / and parentheses are allowed")
 
 
 def _held_out(question: tuple[int, str, int]) -> bool:

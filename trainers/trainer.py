@@ -28,7 +28,7 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
-from .config import TrainConfig, to_dict
+from .config import RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
     full_named_parameters,
@@ -39,6 +39,7 @@ from .data_parallel import (
 from .generation import (
     RolloutBatch,
     engine_round_metrics,
+    generate_episodes,
     generate_rollouts,
     timed_sleep,
     timed_wake,
@@ -181,18 +182,27 @@ class Trainer:
         self.step += 1
         wake_seconds = timed_wake(self.llm) or 0.0
         stats_before = self.llm.stats()
-        batch = generate_rollouts(self.llm, self.tokenizer, self._examples(self.step),
-                                  self.config.rollout, self._rollout_seed(self.step))
+        batch = self._rollouts(self._examples(self.step), self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
         sleep_seconds = timed_sleep(self.llm) if self.config.rollout.sleep_between_steps else 0.0
         rewards, per_function = self._rewards_of(batch)
         metrics = self._optimize(batch, rewards)
         metrics["sync_seconds"] = self.sync_weights()
-        metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics)
+        metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics,
+                       **batch.metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
                        weight_version=float(self.llm.weight_version),
                        lr=self.scheduler.get_last_lr()[0])
         return all_reduce_metrics(metrics, self.context)
+
+    def _rollouts(self, examples: list[Example], seed: int,
+                  rollout: RolloutConfig | None = None) -> RolloutBatch:
+        """Completions, or for a task with an environment, multi-turn episodes."""
+        rollout = rollout or self.config.rollout
+        if self.task.environment is None:
+            return generate_rollouts(self.llm, self.tokenizer, examples, rollout, seed)
+        return generate_episodes(self.llm, self.tokenizer, examples, rollout, seed,
+                                 self.task.environment)
 
     def _examples(self, step: int) -> list[Example]:
         per_step, rank, world = (self.config.rollout.prompts_per_step, self.context.rank,
@@ -213,6 +223,9 @@ class Trainer:
         tokens = token_batch(batch.prompt_ids, batch.completion_ids,
                              self.tokenizer.pad_token_id or 0, device)
         mask = tokens.completion_mask
+        if batch.loss_masks is not None:  # an episode's environment tokens are not learned
+            mask = mask * pad_rows(batch.loss_masks, tokens.num_completion_slots, 0,
+                                   torch.float32).to(device)
         sampler_logprobs = pad_rows(batch.sampler_logprobs, tokens.num_completion_slots, 0.0,
                                     torch.float32).to(device)
         targets = self.algorithm.prepare(
@@ -295,7 +308,7 @@ class Trainer:
         timed_wake(self.llm)
         examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
         greedy = replace(self.config.rollout, num_generations=1, temperature=0.0)
-        batch = generate_rollouts(self.llm, self.tokenizer, examples, greedy, seed=0)
+        batch = self._rollouts(examples, seed=0, rollout=greedy)
         _, per_function = self._rewards_of(batch)
         metrics = {f"eval_{name}": float(values.mean()) for name, values in per_function.items()}
         accuracy_reward = self.config.eval_reward or self.rewards[0].name
