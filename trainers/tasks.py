@@ -114,16 +114,17 @@ def calculator_task(max_operand: int = 999, eval_size: int = 32,
                     timeout: float = 2.0) -> Task:
     """Products ``a * b`` too large to do in one's head, with a ``calculator`` tool.
 
-    Episodes: the model may call the tool (Hermes format, taught by the system prompt, as
-    SmolLM2's template has no tools) and then answers; rewards ``correct`` (the last
-    integer of its final message) and ``format`` (that final message is one short line).
+    Episodes: the model may call the tool (Hermes format, taught by the system prompt and
+    one worked example, as SmolLM2's template has no tools) and then answers; rewards
+    ``correct`` (the last integer of its final message), ``tool_success`` (a call answered
+    without an error) and ``format`` (the final message is one short line).
     """
     if max_operand < 10:
         raise ValueError("calculator needs max_operand >= 10")
 
     def example(rng: random.Random) -> Example:
         a, b = rng.randint(10, max_operand), rng.randint(10, max_operand)
-        return {"prompt": [{"role": "user", "content": f"What is {a} * {b}?"}],
+        return {"prompt": [*CALCULATOR_SHOT, {"role": "user", "content": f"What is {a} * {b}?"}],
                 "answer": a * b}
 
     def train_example(seed: int, index: int) -> Example:
@@ -131,15 +132,31 @@ def calculator_task(max_operand: int = 999, eval_size: int = 32,
 
     rng = random.Random(4321)
     return Task(train_example, [example(rng) for _ in range(eval_size)],
-                {"correct": correct_reward, "format": short_answer_reward},
-                [("correct", 1.0), ("format", 0.2)],
+                {"correct": correct_reward, "format": short_answer_reward,
+                 "tool_success": tool_success_reward},
+                [("correct", 0.7), ("tool_success", 0.3)],
                 lambda _: ToolEnvironment([calculator], timeout, CALCULATOR_SYSTEM))
+
+
+def tool_success_reward(completions: list[Completion], **_: Any) -> list[float]:
+    """1 when the episode called a tool and got an answer that is not an error, else 0."""
+    return [float(not isinstance(c, str) and any(
+        m["role"] == "tool" and not m["content"].startswith("error:") for m in c))
+        for c in completions]
 
 
 CALCULATOR_SYSTEM = (
     "You can use a calculator. To call it, write exactly <tool_call>{\"name\": "
     "\"calculator\", \"arguments\": {\"expression\": \"12 * 34\"}}</tool_call> and wait for "
     "its answer. Then answer in one short line that ends with the number.")
+
+
+CALCULATOR_SHOT = [
+    {"role": "user", "content": "What is 12 * 34?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": '
+                                     '{"expression": "12 * 34"}}</tool_call>'},
+    {"role": "tool", "content": "408"},
+    {"role": "assistant", "content": "12 * 34 = 408"}]
 
 
 def calculator(expression: str) -> str:
