@@ -105,9 +105,11 @@ def generate_episodes(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: li
                             seed=seed)
     runner = EpisodeRunner(llm.engine, tokenizer, params, config.max_turns,
                            config.max_total_tokens)
+    prefill_before = llm.stats()["prefill_tokens"]
     start = time.perf_counter()
     groups = runner.run(examples, make_environment)
     seconds = time.perf_counter() - start
+    prefill = llm.stats()["prefill_tokens"] - prefill_before
     rows = [(index, t) for index, group in enumerate(groups) for t in group]
     return RolloutBatch(
         prompts=[examples[i]["prompt"] for i, _ in rows],
@@ -121,7 +123,7 @@ def generate_episodes(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: li
                  for key in examples[0] if key != "prompt"},
         seconds=seconds,
         loss_masks=[t.loss_mask[t.num_prompt_tokens:] for _, t in rows],
-        metrics=episode_metrics([t for _, t in rows]))
+        metrics=episode_metrics([t for _, t in rows], prefill))
 
 
 def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:
@@ -130,9 +132,12 @@ def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:
     return [next(values) if sampled else 0.0 for sampled in loss_mask]
 
 
-def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Means per episode: turns, tool calls, tool errors, model and environment tokens."""
+def episode_metrics(trajectories: list[Trajectory], prefill_tokens: int) -> dict[str, float]:
+    """Means per episode: turns, tool calls, tool errors, model and environment tokens; and
+    the KV reuse across turns: prefill tokens computed per token of the episodes' contexts
+    (re-prefilling every turn would compute each token once per later turn)."""
     count = max(len(trajectories), 1)
+    context_tokens = sum(len(t.token_ids) for t in trajectories)
     model_tokens = sum(sum(t.loss_mask[t.num_prompt_tokens:]) for t in trajectories)
     all_tokens = sum(len(t.token_ids) - t.num_prompt_tokens for t in trajectories)
     return {"episode_turns": sum(t.num_turns for t in trajectories) / count,
@@ -141,7 +146,8 @@ def episode_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
             "episode_tool_errors": sum(t.metrics.get("tool_errors", 0.0)
                                        for t in trajectories) / count,
             "episode_model_tokens": model_tokens / count,
-            "episode_environment_tokens": (all_tokens - model_tokens) / count}
+            "episode_environment_tokens": (all_tokens - model_tokens) / count,
+            "episode_prefill_per_context_token": prefill_tokens / max(context_tokens, 1)}
 
 
 def engine_round_metrics(before: dict[str, float], after: dict[str, float]
