@@ -90,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.eos_token_ids,
                                    self.max_model_len, self.output_processor.match_stop_string,
-                                   self.held)
+                                   self.held, self.runner.ops.cascade)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
@@ -117,8 +117,7 @@ class LLMEngine:
 
         Raises:
             ValueError: for a duplicate request id, n above max_num_seqs, a prompt
-                ``process_prompt`` refuses, or a continuation of nothing held; nothing is
-                queued then.
+                ``process_prompt`` refuses, or a continuation of nothing held (nothing queued).
             EngineAsleepError: while the engine sleeps.
         """
         self.add_requests([request_id], [prompt], [sampling_params], hold_kv)
@@ -150,7 +149,7 @@ class LLMEngine:
         return self.process_prompt(held.token_ids + list(prompt.token_ids)), held
 
     def release(self, request_id: str, index: int = 0) -> None:
-        """Stop holding completion ``index`` of request ``request_id`` and free its blocks.
+        """Stop holding completion ``index`` of ``request_id`` and free its blocks.
 
         Raises:
             ValueError: when nothing is held under it, or a continuation claimed it.

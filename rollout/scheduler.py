@@ -91,11 +91,14 @@ class Scheduler:
             stop strings.
         held: the finished sequences kept for continuation (their blocks are released,
             least recently finished first, before any running sequence is preempted).
+        group_decodes: hand the runner each request's decode groups (only the cascade
+            attention of the torch kernels reads them; the Triton kernels do not).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, eos_token_ids: set[int], max_model_len: int,
-                 match_stop_string: StopStringMatcher, held: HeldSequences) -> None:
+                 match_stop_string: StopStringMatcher, held: HeldSequences,
+                 group_decodes: bool) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -105,6 +108,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held = held
+        self.group_decodes = group_decodes
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
         self._finished_seq_ids: list[int] = []
@@ -123,7 +127,8 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and self._schedule_decode(batch, seq):
                 budget -= 1  # (not RUNNING: preempted earlier in this loop for an older one)
         batch.num_decodes = len(batch.seqs)
-        batch.decode_groups = self._decode_groups(batch.seqs)
+        if self.group_decodes:
+            batch.decode_groups = self._decode_groups(batch.seqs)
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0:
                 break

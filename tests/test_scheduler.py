@@ -50,7 +50,7 @@ def make_scheduler(max_num_batched_tokens: int) -> Scheduler:
     return Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
                      max_num_batched_tokens=max_num_batched_tokens, eos_token_ids={0},
                      max_model_len=64, match_stop_string=lambda seq: None,
-                     held=HeldSequences())
+                     held=HeldSequences(), group_decodes=True)
 
 
 def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
