@@ -105,6 +105,14 @@ def llama_dir(model_dir) -> Path:
     return model_dir("llama")
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 fitted to call a tool (see ``tests/tool_model.py``), built once."""
+    from .tool_model import save_tool_model
+
+    return save_tool_model(tmp_path_factory.mktemp("tool_model"))
+
+
 TOKENIZING = ("encode", "__call__", "apply_chat_template", "encode_plus", "batch_encode_plus")
 
 
