@@ -100,14 +100,14 @@ class LLMEngine:
         """
         return self.input_processor.process(prompt)
 
-    def apply_chat_template(self, conversation: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of a conversation under the model's chat template.
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """The token ids of a conversation (and ``tools``) under the model's chat template.
 
         Raises:
-            ValueError: when the model has no chat template or it refuses the messages.
+            ValueError: as ``InputProcessor.apply_chat_template``.
         """
-        return self.input_processor.apply_chat_template(conversation, add_generation_prompt)
+        return self.input_processor.apply_chat_template(conversation, add_generation_prompt, tools)
 
     def add_request(self, request_id: str, prompt: EnginePrompt,
                     sampling_params: SamplingParams, hold_kv: bool = False) -> None:

@@ -9,6 +9,7 @@ is what ``LLMEngine.add_request`` queues without looking at it again.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -56,25 +57,39 @@ class InputProcessor:
         self._check_length(processed.prompt_token_ids)
         return processed
 
-    def apply_chat_template(self, conversation: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """The token ids of a conversation under the model's chat template.
+    def apply_chat_template(self, conversation: list[dict[str, Any]],
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The token ids of a conversation under the model's chat template, with ``tools``
+        (OpenAI's ``{"type": "function", "function": {...}}`` dicts) rendered by it.
 
-        The template supplies the special tokens (nothing is added on top).
+        The template supplies the special tokens (nothing is added on top). Jinja ignores
+        a variable a template does not read, so a template that ignores ``tools`` is told by
+        rendering the conversation without them too: the same text means it ignores them.
 
         Raises:
-            ValueError: when the model has no tokenizer or chat template, or the template
-                refuses the messages.
+            ValueError: when the model has no tokenizer or chat template, the template
+                refuses the messages, or it ignores ``tools``.
         """
+        if tools and (self._chat_template(conversation, add_generation_prompt, tools, False)
+                      == self._chat_template(conversation, add_generation_prompt, None, False)):
+            raise ValueError("this model's chat template does not render tools (the prompt is "
+                             "the same without them): leave tools out and describe them in a "
+                             "message, or serve a model whose template renders them.")
+        return self._chat_template(conversation, add_generation_prompt, tools, True)
+
+    def _chat_template(self, conversation: list[dict[str, Any]], add_generation_prompt: bool,
+                       tools: list[dict[str, Any]] | None, tokenize: bool) -> Any:
         tokenizer = self.tokenizer
         if tokenizer is None or not tokenizer.chat_template:
             raise ValueError("this model has no chat template: give a prompt instead.")
         try:
-            return list(tokenizer.apply_chat_template(
-                conversation, tokenize=True, return_dict=False,
-                add_generation_prompt=add_generation_prompt))
+            rendered = tokenizer.apply_chat_template(
+                conversation, tools=tools, tokenize=tokenize, return_dict=False,
+                add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # jinja's errors, and a template's own raise_exception
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        return list(rendered) if tokenize else rendered
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

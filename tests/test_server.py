@@ -41,9 +41,11 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @contextmanager
-def running_server(folder, **server_options) -> Iterator[tuple[str, LLMEngine]]:
-    """A server for the model in ``folder`` on a free port of 127.0.0.1, in a thread."""
-    engine = LLMEngine(EngineConfig(model=str(folder), **ENGINE_OPTIONS))
+def running_server(folder, engine_options: dict | None = None,
+                   **server_options) -> Iterator[tuple[str, LLMEngine]]:
+    """A server for the model in ``folder`` (with ``engine_options``, default
+    ``ENGINE_OPTIONS``) on a free port of 127.0.0.1, in a thread."""
+    engine = LLMEngine(EngineConfig(model=str(folder), **(engine_options or ENGINE_OPTIONS)))
     config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, **server_options)
     listener = socket.socket()
     listener.bind((HOST, 0))

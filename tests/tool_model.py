@@ -3,8 +3,8 @@ is fitted for a few seconds to answer ``QUESTION`` (with ``TOOLS`` in its prompt
 ``multiply`` in the Hermes/Qwen format, and to answer the tool's result with ``ANSWER``.
 
 Its chat template is TRL's ``qwen2_5`` (the one TRL's ``add_response_schema`` knows), on the
-shared tiny byte-level tokenizer, so TRL's tool loop and the server's tool parsing both run
-on it unchanged.
+shared tiny byte-level tokenizer, with ``<|im_end|>`` as EOS as in Qwen2.5-Instruct, so TRL's
+tool loop and the server's tool parsing both run on it unchanged.
 """
 
 from __future__ import annotations
@@ -81,9 +81,11 @@ def save_tool_model(path: Path) -> Path:
     """Save the fitted tiny Qwen2 tool caller with its tokenizer (template: TRL's qwen2_5)."""
     tokenizer = build_tokenizer()
     tokenizer.chat_template = qwen2_5_template()
+    tokenizer.eos_token = "<|im_end|>"  # as Qwen2.5-Instruct: a turn's end is EOS
     torch.manual_seed(0)
+    ends = [tokenizer.eos_token_id, SMALL["eos_token_id"]]
     config = Qwen2Config(vocab_size=len(tokenizer), tie_word_embeddings=False,
-                         **{**SMALL, "max_position_embeddings": 2048})
+                         **{**SMALL, "max_position_embeddings": 2048, "eos_token_id": ends})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fit(model, training_pairs(tokenizer))
     model.save_pretrained(path)

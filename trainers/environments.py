@@ -7,7 +7,8 @@ whether the episode is done.
 
 ``ToolEnvironment`` answers tool calls. Calls are parsed from the model's text in the
 Hermes/Qwen format (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, the one
-Qwen's chat templates teach; SmolLM2's template has none, so a system prompt teaches it),
+Qwen's chat templates teach; SmolLM2's template has none, so a system prompt teaches it) by
+the engine's parser (``tandem.rollout.tool_calls``, the server's too),
 each tool's JSON schema comes from its signature and docstring (transformers'
 ``get_json_schema``), and every failure (bad JSON, an unknown tool, wrong arguments, a tool
 that raises or runs past its timeout) becomes an error observation the model can read.
@@ -15,8 +16,6 @@ that raises or runs past its timeout) becomes an error observation the model can
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,8 +23,9 @@ from typing import Any, Protocol
 
 from transformers.utils import get_json_schema
 
+from tandem.rollout.tool_calls import MalformedToolCall, ToolCall, parse_tool_calls
+
 Message = dict[str, Any]
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -99,7 +99,7 @@ class ToolEnvironment:
 
     def step(self, messages: list[Message]) -> EnvStep:
         """Run every tool call of the model's last message; no call ends the episode."""
-        calls = TOOL_CALL.findall(messages[-1]["content"])
+        calls = parse_tool_calls(messages[-1]["content"]).calls
         if not calls:
             return EnvStep(done=True, metrics={"tool_calls": 0.0, "tool_errors": 0.0})
         results = [self._answer(call) for call in calls]
@@ -107,17 +107,14 @@ class ToolEnvironment:
         return EnvStep(messages=[{"role": "tool", "content": result} for result in results],
                        metrics={"tool_calls": float(len(calls)), "tool_errors": float(errors)})
 
-    def _answer(self, call_text: str) -> str:
+    def _answer(self, call: ToolCall | MalformedToolCall) -> str:
         """A call's result as text, or ``error: ...`` saying what went wrong."""
-        try:
-            call = json.loads(call_text)
-            name, arguments = call["name"], call.get("arguments", {})
-        except (ValueError, KeyError, TypeError) as exc:
-            return f"error: the tool call is not JSON with a name and arguments ({exc})."
-        tool = self.tools.get(name) if isinstance(name, str) else None
-        if tool is None or not isinstance(arguments, dict):
-            return (f"error: unknown tool {name!r} or arguments not an object; tools: "
-                    f"{', '.join(self.tools)}.")
+        if isinstance(call, MalformedToolCall):
+            return f"error: the tool call is not JSON with a name and arguments ({call.error})."
+        name, arguments = call.name, call.arguments
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"error: unknown tool {name!r}; tools: {', '.join(self.tools)}."
         outcome: dict[str, Any] = {}
         thread = threading.Thread(target=_call, args=(tool, arguments, outcome), daemon=True)
         thread.start()

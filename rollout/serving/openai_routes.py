@@ -45,13 +45,16 @@ def openai_routes(server: TandemServer) -> APIRouter:
     @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
+        tools = body.template_tools()
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or server.config.max_tokens
         params = server.sampling_params(body, max_tokens, logprobs)
         prompt = await server.async_engine.call(server.engine.apply_chat_template,
-                                                body.conversation(), body.add_generation_prompt)
+                                                body.conversation(), body.add_generation_prompt,
+                                                tools)
         prompts = await server.process_prompts([prompt])
-        return await server.openai_response(request, body, prompts, params, chat=True)
+        return await server.openai_response(request, body, prompts, params, chat=True,
+                                            tool_calls=body.parses_tool_calls)
 
     @router.get("/metrics")
     async def metrics() -> Response:

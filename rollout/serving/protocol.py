@@ -6,15 +6,17 @@ name (vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``
 there is a request field too. Only the fields whose OpenAI shape differs are declared here:
 ``max_tokens`` (optional, the route picks the default), ``logprobs`` (a count for
 completions, a flag plus ``top_logprobs`` for chat), ``stop`` (a string or a list) and
-``stop_token_ids`` (null allowed). Then Tandem's own bodies: ``/v1/rollouts`` and the
+``stop_token_ids`` (null allowed). Chat completions take OpenAI's ``tools`` and
+``tool_choice`` (``auto`` and ``none``). Then Tandem's own bodies: ``/v1/rollouts`` and the
 weight-transfer endpoints (vLLM's shapes).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -101,19 +103,113 @@ class CompletionRequest(SamplingRequest):
         return list(self.prompt)
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, description and JSON-schema ``parameters`` (further
+    fields, such as ``strict``, are kept and reach the chat template too)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionToolsParam(BaseModel):
+    """One of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(BaseModel):
+    """The function a named ``tool_choice`` names."""
+
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(BaseModel):
+    """``tool_choice`` naming a function: ``{"type": "function", "function": {"name"}}``."""
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
-    """``POST /v1/chat/completions``: a conversation, with the model's chat template applied."""
+    """``POST /v1/chat/completions``: a conversation, with the model's chat template applied
+    (and ``tools`` rendered by it)."""
 
     messages: list[dict[str, Any]]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+                  | None) = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages with each content as plain text (text parts joined)."""
-        return [{**message, "content": _text_of(message.get("content"))}
-                for message in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them: each content as plain text (text
+        parts joined), and the arguments of each assistant tool call, a JSON string in
+        OpenAI's shape, as the object they encode (as vLLM passes them).
+
+        Raises:
+            APIError: for tool-call arguments that are not JSON.
+        """
+        return [_templated(message) for message in self.messages]
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """True when the completions' tool calls are parsed: tools given, tool_choice not
+        ``none`` (tools are rendered all the same, as vLLM does)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's dicts), None without any.
+
+        Raises:
+            APIError: for a tool_choice without tools, a named one not among them, or one
+                not supported yet (``required`` and a named function need structured
+                outputs).
+        """
+        self._check_tool_choice()
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools]
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if choice is not None and not self.tools:
+            raise APIError(400, "tool_choice needs tools: give tools or leave tool_choice "
+                           "out.", param="tool_choice")
+        if choice in (None, "auto", "none"):
+            return
+        named = isinstance(choice, ChatCompletionNamedToolChoiceParam)
+        known = [tool.function.name for tool in self.tools]
+        if named and choice.function.name not in known:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
+                           f"which is not in tools ({', '.join(known)}).", param="tool_choice")
+        shown = f"naming {choice.function.name!r}" if named else repr(choice)
+        raise APIError(400, f"tool_choice {shown} is not supported yet (it comes with "
+                       "structured outputs): use 'auto' or 'none'.", param="tool_choice")
+
+
+def _templated(message: dict[str, Any]) -> dict[str, Any]:
+    templated = {**message, "content": _text_of(message.get("content"))}
+    if isinstance(message.get("tool_calls"), list):
+        templated["tool_calls"] = [_arguments_decoded(call) for call in message["tool_calls"]]
+    return templated
+
+
+def _arguments_decoded(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as exc:
+        raise APIError(400, f"the arguments of a tool call in messages are not JSON ({exc}): "
+                       f"{function['arguments']!r}.", param="messages") from exc
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _text_of(content: Any) -> str:

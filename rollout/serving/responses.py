@@ -1,6 +1,9 @@
 """The bodies of OpenAI's successful responses, built from ``RequestOutput``s: whole
 completions and chat completions, streamed chunks (``DeltaTracker`` cuts a request's
-successive outputs into deltas) and ``usage``.
+successive outputs into deltas) and ``usage``. Where tool calls are parsed, a chat
+completion's text is cut by ``ToolCallParser`` into ``content`` and OpenAI's ``tool_calls``
+(in a stream, each call as one delta once it is closed), and a completion that called a tool
+finishes with ``"tool_calls"``.
 
 Beyond OpenAI's fields, every body carries Tandem's ``weight_version`` and every choice the
 ``weight_versions`` its tokens were sampled under, so a trainer can see which weights
@@ -9,12 +12,15 @@ sampled a rollout.
 
 from __future__ import annotations
 
+import json
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from ..outputs import CompletionOutput, RequestOutput
+from ..tool_calls import ToolCall, ToolCallParser
 
 
 @dataclass(slots=True)
@@ -100,15 +106,20 @@ class ResponseBuilder:
         return choice
 
     def chat_choice(self, index: int, completion: CompletionOutput, stream: bool,
-                    return_token_ids: bool) -> dict[str, Any]:
-        """One chat choice: a ``message``, or in a stream a ``delta``."""
+                    return_token_ids: bool, parser: ToolCallParser | None = None
+                    ) -> dict[str, Any]:
+        """One chat choice: a ``message``, or in a stream a ``delta``; with a ``parser``
+        (the completion's own, fed every delta in turn) holding its tool calls."""
+        message = _chat_message(completion, parser, stream)
         if stream:
-            choice = {"index": index, "delta": {"content": completion.text}}
+            choice = {"index": index, "delta": message}
         else:
-            choice = {"index": index, "message": {"role": "assistant",
-                                                  "content": completion.text}}
+            choice = {"index": index, "message": {"role": "assistant", **message}}
+        finish_reason = completion.finish_reason
+        if finish_reason is not None and parser is not None and parser.num_tool_calls:
+            finish_reason = "tool_calls"
         choice |= {"logprobs": self._chat_logprobs(completion),
-                   "finish_reason": completion.finish_reason,
+                   "finish_reason": finish_reason,
                    "stop_reason": completion.stop_reason,
                    "weight_versions": completion.weight_versions}
         if return_token_ids:
@@ -144,6 +155,29 @@ class ResponseBuilder:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+
+def _chat_message(completion: CompletionOutput, parser: ToolCallParser | None,
+                  stream: bool) -> dict[str, Any]:
+    """The content of a message (or delta), and its tool calls when the parser finds some
+    (then blank content is null)."""
+    if parser is None:
+        return {"content": completion.text}
+    first = parser.num_tool_calls
+    parsed = parser.feed(completion.text, final=completion.finish_reason is not None)
+    if not parsed.tool_calls:
+        return {"content": parsed.content}
+    return {"content": parsed.content if parsed.content.strip() else None,
+            "tool_calls": [_tool_call(call, first + i if stream else None)
+                           for i, call in enumerate(parsed.tool_calls)]}
+
+
+def _tool_call(call: ToolCall, index: int | None) -> dict[str, Any]:
+    """OpenAI's tool call (arguments as a JSON string); a streamed one has its ``index``."""
+    entry = {"id": f"call_{uuid.uuid4().hex}", "type": "function",
+             "function": {"name": call.name,
+                          "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return entry if index is None else {"index": index, **entry}
 
 
 def usage(outputs: list[RequestOutput]) -> dict[str, int]:

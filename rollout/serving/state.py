@@ -6,6 +6,7 @@ the response builder, the weight transfer), the checks they share, and answering
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..tool_calls import ToolCallParser
 from .async_engine import AsyncLLMEngine, TrackedRequest
 from .config import ServerConfig
 from .errors import APIError, error_body
@@ -99,17 +101,20 @@ class TandemServer:
 
     async def openai_response(self, request: Request, body: SamplingRequest,
                               prompts: list[ProcessedPrompt], params: SamplingParams,
-                              chat: bool) -> Response:
-        """Generate and answer as OpenAI: one JSON body, or server-sent events."""
+                              chat: bool, tool_calls: bool = False) -> Response:
+        """Generate and answer as OpenAI: one JSON body, or server-sent events. With
+        ``tool_calls`` each chat completion's text is parsed into content and tool calls."""
         prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
             tracked = await self.async_engine.add_requests(prompts, [params] * len(prompts),
                                                            True, prefix)
-            return StreamingResponse(self._events(body, tracked, params, prefix, chat),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._events(body, tracked, params, prefix, chat, tool_calls),
+                media_type="text/event-stream")
         outputs = await until_disconnected(
             request, self.async_engine.generate(prompts, [params] * len(prompts), prefix))
-        choices = [self._choice(body, output, completion, i * params.n, chat, stream=False)
+        choices = [self._choice(body, output, completion, i * params.n, chat, stream=False,
+                                parser=ToolCallParser() if tool_calls else None)
                    for i, output in enumerate(outputs) for completion in output.outputs]
         envelope = self.responses.envelope(
             prefix, "chat.completion" if chat else "text_completion", int(time.time()),
@@ -119,16 +124,19 @@ class TandemServer:
         return JSONResponse(envelope | {"usage": usage(outputs)})
 
     def _choice(self, body: SamplingRequest, output: RequestOutput, completion: Any,
-                offset: int, chat: bool, stream: bool) -> dict[str, Any]:
+                offset: int, chat: bool, stream: bool,
+                parser: ToolCallParser | None = None) -> dict[str, Any]:
         index = offset + completion.index
         if chat:
-            return self.responses.chat_choice(index, completion, stream, body.return_token_ids)
+            return self.responses.chat_choice(index, completion, stream, body.return_token_ids,
+                                              parser)
         return self.responses.completion_choice(
             index, completion, output.prompt_token_ids, body.return_token_ids,
             None if stream else output.prompt_logprobs)
 
     async def _events(self, body: SamplingRequest, tracked: list[TrackedRequest],
-                      params: SamplingParams, prefix: str, chat: bool) -> AsyncIterator[str]:
+                      params: SamplingParams, prefix: str, chat: bool,
+                      tool_calls: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
@@ -141,9 +149,11 @@ class TandemServer:
             hold_back = max((len(stop) for stop in params.stop), default=1) - 1
             for i, tracked_request in enumerate(tracked):
                 deltas = DeltaTracker(hold_back)
+                parsers = collections.defaultdict(ToolCallParser)
                 async for output in self.async_engine.outputs(tracked_request):
                     for delta in deltas.deltas(output):
-                        choice = self._choice(body, output, delta, i * params.n, chat, True)
+                        choice = self._choice(body, output, delta, i * params.n, chat, True,
+                                              parsers[delta.index] if tool_calls else None)
                         yield _event(self.responses.envelope(prefix, obj, created, [choice],
                                                              output.weight_version))
                     if output.finished:
