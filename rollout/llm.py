@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -41,6 +41,7 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, **_config_fields(engine_args)))
         self._request_ids = itertools.count()
+        self._finished: dict[str, RequestOutput] = {}  # finished while another call stepped
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase | None:
         """The model's tokenizer (None when the folder has none)."""
@@ -60,11 +61,28 @@ class LLM:
         Raises:
             ValueError: for any invalid prompt or parameter list, before anything is queued.
         """
-        prompt_list = as_prompt_list(prompts)
-        params = params_per_prompt(sampling_params, len(prompt_list))
-        request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_list]
-        self.engine.add_requests(request_ids, prompt_list, params, hold_kv)
-        return self._run(request_ids, use_tqdm)
+        request_ids = self._add(prompts, sampling_params, hold_kv)
+        outputs = {}
+        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
+            for output in self._as_completed(request_ids):
+                outputs[output.request_id] = output
+                bar.update(1)
+        return [outputs[request_id] for request_id in request_ids]
+
+    def generate_as_completed(self, prompts: LLMPrompt | Seq[LLMPrompt],
+                              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                              hold_kv: bool = False) -> Iterator[RequestOutput]:
+        """Generate as ``generate`` does, but yield each request's output (a group of its
+        ``n`` completions) the moment its last completion ends, in the order they finish.
+
+        The engine steps only while the iterator is advanced, so work done between two
+        outputs (scoring a group's rewards) runs on the caller's thread between engine
+        steps. Closing the iterator early aborts the requests still running.
+
+        Raises:
+            ValueError: as ``generate``, at the call (before anything is queued).
+        """
+        return self._as_completed(self._add(prompts, sampling_params, hold_kv))
 
     def release(self, request_id: str, index: int = 0) -> None:
         """Free the KV blocks a held completion keeps (see ``generate``'s ``hold_kv``).
@@ -142,19 +160,29 @@ class LLM:
         """Restore the weights and a fresh KV pool after ``sleep`` (``tags``: only some)."""
         self.engine.wake_up(tags)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        outputs: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm) as bar:
-            try:
-                while self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        outputs[output.request_id] = output
-                        bar.update(1)
-            except BaseException:
-                for request_id in request_ids:
-                    self.engine.abort_request(request_id)
-                raise
-        return [outputs[request_id] for request_id in request_ids]
+    def _add(self, prompts: LLMPrompt | Seq[LLMPrompt],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None,
+             hold_kv: bool) -> list[str]:
+        prompt_list = as_prompt_list(prompts)
+        params = params_per_prompt(sampling_params, len(prompt_list))
+        request_ids = [f"llm-{next(self._request_ids)}" for _ in prompt_list]
+        self.engine.add_requests(request_ids, prompt_list, params, hold_kv)
+        return request_ids
+
+    def _as_completed(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until every one of ``request_ids`` has finished, yielding each
+        as it does; another call's outputs are kept for it. Aborts the rest on exit."""
+        pending = set(request_ids)
+        try:
+            while pending:
+                for request_id in [r for r in self._finished if r in pending]:
+                    pending.discard(request_id)
+                    yield self._finished.pop(request_id)
+                for output in self.engine.step() if pending else ():
+                    self._finished[output.request_id] = output
+        finally:
+            for request_id in pending:
+                self.engine.abort_request(request_id)
 
 
 def _config_fields(engine_args: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,26 @@ class RewardFunctionConfig:
 
 
 @dataclass(slots=True)
+class DynamicSamplingConfig:
+    """Dynamic sampling (DAPO's; verl's ``filter_groups``): the recipe's
+    ``rollout.dynamic_sampling`` section.
+
+    Attributes:
+        enabled: admit more prompts until ``prompts_per_step`` groups whose rewards spread
+            (non-zero advantages) are complete.
+        zero_spread: ``"drop"`` (train on the spread groups only) or ``"keep"`` (train on
+            every group sampled).
+        max_extra_prompts: the most prompts admitted per step beyond ``prompts_per_step``;
+            once reached the step trains on what it has (``drop`` tops the batch up with
+            zero-spread groups), logged as ``dynamic_sampling_cap_reached``.
+    """
+
+    enabled: bool = False
+    zero_spread: str = "drop"
+    max_extra_prompts: int = 16
+
+
+@dataclass(slots=True)
 class RolloutConfig:
     """What the engine samples each step.
 
@@ -49,6 +69,7 @@ class RolloutConfig:
             (``max_tokens`` is then per turn).
         max_total_tokens: for a task with an environment, most tokens per episode (default
             the engine's max_model_len).
+        dynamic_sampling: admit prompts in place of groups whose rewards do not spread.
     """
 
     prompts_per_step: int = 8
@@ -60,6 +81,7 @@ class RolloutConfig:
     sleep_between_steps: bool = False
     max_turns: int = 4
     max_total_tokens: int | None = None
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass(slots=True)
@@ -234,14 +256,21 @@ class TrainConfig:
         _one_of("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "token"))
         _one_of("lora.sync_mode", self.lora.sync_mode, ("merge", "runtime"))
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online"))
+        _one_of("rollout.dynamic_sampling.zero_spread", self.rollout.dynamic_sampling.zero_spread,
+                ("drop", "keep"))
         for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
-                     "rollout.max_tokens", "optim.micro_batch_size"):
+                     "rollout.max_tokens", "optim.micro_batch_size",
+                     "rollout.dynamic_sampling.max_extra_prompts"):
             _at_least(name, _get(self, name), 1)
         for name in ("checkpoint_every", "eval_size", "optim.warmup_steps"):
             _at_least(name, _get(self, name), 0)
         if self.algorithm == "grpo" and self.rollout.num_generations < 2:
             raise ValueError("rollout.num_generations must be >= 2 for GRPO: advantages are "
                              "relative to the other completions of the same prompt.")
+        if self.rollout.dynamic_sampling.enabled and self.algorithm != "grpo":
+            raise ValueError("rollout.dynamic_sampling is for GRPO (a group whose rewards do "
+                             "not spread has zero advantages there): turn it off for "
+                             f"algorithm={self.algorithm!r}.")
         engine_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
         unknown = sorted(set(self.rollout.engine) - set(engine_fields))
         if unknown:

@@ -168,7 +168,10 @@ class EpisodeRunner:
                                     engine.max_model_len)
         self._executor = ThreadPoolExecutor(max_workers, thread_name_prefix="environment")
         self._request_ids = itertools.count()
-        self._in_engine: dict[str, list[_Episode]] = {}
+        self._numbers = itertools.count()
+        self._in_engine: dict[str, list[_Episode]] = {}  # request id -> its episodes
+        self._pending: dict[Future, _Episode] = {}  # environment steps under way
+        self._groups: dict[int, list[_Episode]] = {}  # started, not yet reported
         self.events: list[tuple[str, int]] = []
 
     def run(self, examples: list[Example],
@@ -176,22 +179,59 @@ class EpisodeRunner:
         """Each example's ``n`` episodes (its group), run to their end, in order.
 
         Raises:
-            ValueError: for an environment that returns something other than an
-                ``EnvStep`` of messages (naming it); the other episodes are aborted and
-                every held block released.
+            ValueError: as ``poll``.
         """
-        numbers = itertools.count()
-        groups = [[self._new_episode(next(numbers), example, make_environment)
-                   for _ in range(self.params.n)] for example in examples]
-        for group in groups:
+        self.start(list(enumerate(examples)), make_environment)
+        finished: dict[int, list[Trajectory]] = {}
+        while self.has_unfinished_groups():
+            finished.update(self.poll())
+        return [finished[key] for key in range(len(examples))]
+
+    def start(self, examples: list[tuple[int, Example]],
+              make_environment: Callable[[Example], Environment]) -> None:
+        """Begin the ``n`` episodes of each ``(key, example)``: its group, reported by
+        ``poll`` under ``key`` once all of them have ended (keys must be new)."""
+        for key, example in examples:
+            group = [self._new_episode(next(self._numbers), example, make_environment)
+                     for _ in range(self.params.n)]
+            self._groups[key] = group
             self._add(group, list(group[0].trajectory.token_ids), self.params)
-        pending: dict[Future, _Episode] = {}
+
+    def has_unfinished_groups(self) -> bool:
+        """True while a started group has an episode that has not ended."""
+        return bool(self._groups)
+
+    def poll(self) -> list[tuple[int, list[Trajectory]]]:
+        """Advance once (one engine step, or a wait for the first environment to answer
+        when no turn is running); return the groups whose last episode ended meanwhile.
+
+        Raises:
+            ValueError: for an environment that returns something other than an
+                ``EnvStep`` of messages (naming it); every episode is aborted and every
+                held block released.
+        """
         try:
-            self._drive(pending)
+            self._advance()
         except BaseException:
-            self._abort(groups)
+            self.abort()
             raise
-        return [[episode.trajectory for episode in group] for group in groups]
+        done = [key for key, group in self._groups.items()
+                if all(e.trajectory.finish_reason is not None for e in group)]
+        return [(key, [e.trajectory for e in self._groups.pop(key)]) for key in done]
+
+    def abort(self) -> None:
+        """End every unfinished episode now and free every block they hold."""
+        for request_id in list(self._in_engine):
+            self.engine.abort_request(request_id)
+        self._in_engine.clear()
+        self._pending.clear()  # an environment still running answers no one
+        for episode in (e for group in self._groups.values() for e in group):
+            if episode.trajectory.finish_reason is None and episode.request_id:
+                try:
+                    self.engine.release(episode.request_id, episode.index)
+                except ValueError:
+                    pass  # not held (its turn was aborted above)
+        self._groups.clear()
 
     def _new_episode(self, number: int, example: Example,
                      make_environment: Callable[[Example], Environment]) -> _Episode:
@@ -208,19 +248,17 @@ class EpisodeRunner:
         self._in_engine[request_id] = episodes
         self.engine.add_request(request_id, prompt, params, hold_kv=True)
 
-    def _drive(self, pending: dict[Future, _Episode]) -> None:
-        while self.engine.has_unfinished_requests() or pending:
-            if self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    self._after_turn(output, pending)
-            else:
-                wait(list(pending), return_when=FIRST_COMPLETED)
-            for future in [f for f in pending if f.done()]:
-                episode = pending.pop(future)
-                self._after_observation(episode, check_step(future.result(),
-                                                            episode.environment))
+    def _advance(self) -> None:
+        if self._in_engine:
+            for output in self.engine.step():
+                self._after_turn(output)
+        elif self._pending:
+            wait(list(self._pending), return_when=FIRST_COMPLETED)
+        for future in [f for f in self._pending if f.done()]:
+            episode = self._pending.pop(future)
+            self._after_observation(episode, check_step(future.result(), episode.environment))
 
-    def _after_turn(self, output: RequestOutput, pending: dict[Future, _Episode]) -> None:
+    def _after_turn(self, output: RequestOutput) -> None:
         for episode, completion in zip(self._in_engine.pop(output.request_id), output.outputs):
             episode.request_id, episode.index = output.request_id, completion.index
             trajectory = episode.trajectory
@@ -237,7 +275,7 @@ class EpisodeRunner:
             else:  # a turn cut at max_tokens is closed by the glue and answered as any other
                 future = self._executor.submit(episode.environment.step,
                                                list(trajectory.messages))
-                pending[future] = episode
+                self._pending[future] = episode
 
     def _after_observation(self, episode: _Episode, step: EnvStep) -> None:
         trajectory = episode.trajectory
@@ -263,14 +301,3 @@ class EpisodeRunner:
     def _finish(self, episode: _Episode, finish_reason: str) -> None:
         episode.trajectory.finish_reason = finish_reason
         self.engine.release(episode.request_id, episode.index)
-
-    def _abort(self, groups: list[list[_Episode]]) -> None:
-        for request_id in list(self._in_engine):
-            self.engine.abort_request(request_id)
-        self._in_engine.clear()
-        for episode in (e for group in groups for e in group):
-            if episode.trajectory.finish_reason is None and episode.request_id:
-                try:
-                    self.engine.release(episode.request_id, episode.index)
-                except ValueError:
-                    pass  # not held (its turn was aborted above)

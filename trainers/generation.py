@@ -1,5 +1,6 @@
-"""Rollouts: a step's prompts through the colocated engine, flattened one row per completion;
-the engine's round metrics, and its timed sleep and wake-up between rounds."""
+"""Rollouts: a step's groups through the colocated engine (``groups.collect_groups``),
+flattened one row per completion; the engine's round metrics, and its timed sleep and
+wake-up between rounds."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tandem.rollout import LLM, SamplingParams
+from tandem.rollout import LLM
 
 from .config import RolloutConfig
 from .environments import Environment
-from .episodes import EpisodeRunner, Trajectory
+from .episodes import Trajectory
+from .groups import CompletionSource, EpisodeSource, Group, collect_groups
 from .tasks import Example
 
 
@@ -34,10 +36,12 @@ class RolloutBatch:
         group_ids: the prompt (group) index of each row.
         columns: the examples' other columns, one value per row.
         seconds: wall time of the generation.
+        rewards: each row's total reward (scored as its group finished).
+        per_function: each reward function's values per row.
         loss_masks: per completion token, 1 where the model sampled it (an episode's
             environment tokens are 0); None for single-turn rows (all sampled).
         metrics: episode counts (turns, tool calls and errors, model and environment
-            tokens), empty for single-turn rollouts.
+            tokens; empty for single-turn rollouts) and dynamic sampling's counts.
     """
 
     prompts: list[Any]
@@ -48,6 +52,8 @@ class RolloutBatch:
     group_ids: torch.Tensor
     columns: dict[str, list[Any]]
     seconds: float
+    rewards: torch.Tensor
+    per_function: dict[str, torch.Tensor]
     loss_masks: list[list[int]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -56,80 +62,53 @@ class RolloutBatch:
         """Sampled tokens in all."""
         return sum(len(ids) for ids in self.completion_ids)
 
-
-def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]
-                    ) -> list[int]:
-    """A prompt's token ids: a conversation through the chat template, text as it is."""
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    return tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=False,
-                                         add_generation_prompt=True)
-
-
-def generate_rollouts(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
-                      config: RolloutConfig, seed: int) -> RolloutBatch:
-    """Sample ``config.num_generations`` completions of every example's prompt.
-
-    Each prompt gets its own seed (``seed + its index``), so a step repeats exactly.
-    """
-    prompt_ids = [tokenize_prompt(tokenizer, example["prompt"]) for example in examples]
-    params = [SamplingParams(n=config.num_generations, temperature=config.temperature,
-                             top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
-                             seed=seed + index) for index in range(len(examples))]
-    start = time.perf_counter()
-    outputs = llm.generate(prompt_ids, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    rows = [(index, completion) for index, output in enumerate(outputs)
-            for completion in output.outputs]
-    columns = {key: [examples[i][key] for i, _ in rows]
-               for key in examples[0] if key != "prompt"}
-    return RolloutBatch(
-        prompts=[examples[i]["prompt"] for i, _ in rows],
-        prompt_ids=[prompt_ids[i] for i, _ in rows],
-        completion_ids=[list(c.token_ids) for _, c in rows],
-        completions=[c.text for _, c in rows],
-        sampler_logprobs=[list(c.logprobs) for _, c in rows],
-        group_ids=torch.tensor([i for i, _ in rows]),
-        columns=columns,
-        seconds=seconds)
+    @classmethod
+    def from_groups(cls, groups: list[Group], seconds: float,
+                    metrics: dict[str, float]) -> RolloutBatch:
+        """The scored ``groups``' rows, group after group."""
+        rows = [(index, group, row) for index, group in enumerate(groups)
+                for row in range(len(group.completion_ids))]
+        examples = [group.example for group in groups]
+        masks = [group.loss_masks for group in groups]
+        return cls(
+            prompts=[group.example["prompt"] for _, group, _ in rows],
+            prompt_ids=[group.prompt_ids[row] for _, group, row in rows],
+            completion_ids=[group.completion_ids[row] for _, group, row in rows],
+            completions=[group.completions[row] for _, group, row in rows],
+            sampler_logprobs=[group.sampler_logprobs[row] for _, group, row in rows],
+            group_ids=torch.tensor([index for index, _, _ in rows]),
+            columns={key: [group.example[key] for _, group, _ in rows]
+                     for key in examples[0] if key != "prompt"},
+            seconds=seconds,
+            rewards=torch.cat([group.rewards for group in groups]),
+            per_function={name: torch.cat([group.per_function[name] for group in groups])
+                          for name in groups[0].per_function},
+            loss_masks=None if masks[0] is None else [m for mask in masks for m in mask],
+            metrics=metrics)
 
 
-def generate_episodes(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
-                      config: RolloutConfig, seed: int,
-                      make_environment: Callable[[Example], Environment]) -> RolloutBatch:
-    """Run ``config.num_generations`` episodes of every example (see ``EpisodeRunner``),
-    flattened as ``generate_rollouts`` flattens completions: the completion of a row is
-    everything after its first prompt, its ``completions`` entry the messages after it."""
-    params = SamplingParams(n=config.num_generations, temperature=config.temperature,
-                            top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
-                            seed=seed)
-    runner = EpisodeRunner(llm.engine, tokenizer, params, config.max_turns,
-                           config.max_total_tokens)
+def generate_groups(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
+                    config: RolloutConfig, seed: int, score: Callable[[Group], None],
+                    extra_example: Callable[[int], Example],
+                    make_environment: Callable[[Example], Environment] | None = None
+                    ) -> RolloutBatch:
+    """Sample ``config.num_generations`` completions (or, with ``make_environment``,
+    episodes) of every example, each group scored by ``score`` as it finishes; with
+    ``config.dynamic_sampling`` more prompts (``extra_example(k)``) are admitted in place of
+    groups whose rewards do not spread (see ``collect_groups``)."""
+    if make_environment is None:
+        source = CompletionSource(llm, tokenizer, config, seed)
+    else:
+        source = EpisodeSource(llm, tokenizer, config, seed, make_environment)
     prefill_before = llm.stats()["prefill_tokens"]
     start = time.perf_counter()
-    groups = runner.run(examples, make_environment)
+    collected = collect_groups(source, examples, extra_example, score, config.dynamic_sampling)
     seconds = time.perf_counter() - start
-    prefill = llm.stats()["prefill_tokens"] - prefill_before
-    rows = [(index, t) for index, group in enumerate(groups) for t in group]
-    return RolloutBatch(
-        prompts=[examples[i]["prompt"] for i, _ in rows],
-        prompt_ids=[t.token_ids[:t.num_prompt_tokens] for _, t in rows],
-        completion_ids=[t.token_ids[t.num_prompt_tokens:] for _, t in rows],
-        completions=[t.messages[t.num_prompt_messages:] for _, t in rows],
-        sampler_logprobs=[_spread(t.logprobs, t.loss_mask[t.num_prompt_tokens:])
-                          for _, t in rows],
-        group_ids=torch.tensor([i for i, _ in rows]),
-        columns={key: [examples[i][key] for i, _ in rows]
-                 for key in examples[0] if key != "prompt"},
-        seconds=seconds,
-        loss_masks=[t.loss_mask[t.num_prompt_tokens:] for _, t in rows],
-        metrics=episode_metrics([t for _, t in rows], prefill))
-
-
-def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:
-    """The sampled tokens' log-probs at their positions, 0 at environment tokens."""
-    values = iter(logprobs)
-    return [next(values) if sampled else 0.0 for sampled in loss_mask]
+    metrics = dict(collected.metrics)
+    if make_environment is not None:
+        metrics.update(episode_metrics([t for g in collected.sampled for t in g.trajectories],
+                                       llm.stats()["prefill_tokens"] - prefill_before))
+    return RolloutBatch.from_groups(collected.groups, seconds, metrics)
 
 
 def episode_metrics(trajectories: list[Trajectory], prefill_tokens: int) -> dict[str, float]:

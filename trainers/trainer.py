@@ -28,7 +28,7 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
-from .config import RolloutConfig, TrainConfig, to_dict
+from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
     full_named_parameters,
@@ -39,11 +39,11 @@ from .data_parallel import (
 from .generation import (
     RolloutBatch,
     engine_round_metrics,
-    generate_episodes,
-    generate_rollouts,
+    generate_groups,
     timed_sleep,
     timed_wake,
 )
+from .groups import Group
 from .logger import MetricsLogger
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
@@ -185,11 +185,9 @@ class Trainer:
         batch = self._rollouts(self._examples(self.step), self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
         sleep_seconds = timed_sleep(self.llm) if self.config.rollout.sleep_between_steps else 0.0
-        rewards, per_function = self._rewards_of(batch)
-        metrics = self._optimize(batch, rewards)
+        metrics = self._optimize(batch, batch.rewards)
         metrics["sync_seconds"] = self.sync_weights()
-        metrics.update(_rollout_metrics(batch, rewards, per_function), **engine_metrics,
-                       **batch.metrics)
+        metrics.update(_rollout_metrics(batch), **engine_metrics, **batch.metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
                        weight_version=float(self.llm.weight_version),
                        lr=self.scheduler.get_last_lr()[0])
@@ -197,12 +195,11 @@ class Trainer:
 
     def _rollouts(self, examples: list[Example], seed: int,
                   rollout: RolloutConfig | None = None) -> RolloutBatch:
-        """Completions, or for a task with an environment, multi-turn episodes."""
-        rollout = rollout or self.config.rollout
-        if self.task.environment is None:
-            return generate_rollouts(self.llm, self.tokenizer, examples, rollout, seed)
-        return generate_episodes(self.llm, self.tokenizer, examples, rollout, seed,
-                                 self.task.environment)
+        """Completions, or for a task with an environment, multi-turn episodes; each group
+        scored as it finishes."""
+        return generate_groups(self.llm, self.tokenizer, examples, rollout or self.config.rollout,
+                               seed, self._score_group, self._extra_example,
+                               self.task.environment)
 
     def _examples(self, step: int) -> list[Example]:
         per_step, rank, world = (self.config.rollout.prompts_per_step, self.context.rank,
@@ -211,9 +208,19 @@ class Trainer:
         return [self.task.train_example(self.config.seed, first + i)
                 for i in range(rank, per_step, world)]
 
-    def _rewards_of(self, batch: RolloutBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return compute_rewards(self.rewards, batch.prompts, batch.completions,
-                               {**batch.columns, "completion_ids": batch.completion_ids})
+    def _extra_example(self, extra: int) -> Example:
+        """Dynamic sampling's ``extra``-th extra prompt of this step: a stream of its own
+        (negative indices), disjoint per step and rank from the steps' prompts."""
+        per_step = self.config.rollout.dynamic_sampling.max_extra_prompts
+        slot = (self.step - 1) * self.context.world_size + self.context.rank
+        return self.task.train_example(self.config.seed, -1 - (slot * per_step + extra))
+
+    def _score_group(self, group: Group) -> None:
+        columns = {key: [group.example[key]] * len(group.completions)
+                   for key in group.example if key != "prompt"}
+        group.rewards, group.per_function = compute_rewards(
+            self.rewards, [group.example["prompt"]] * len(group.completions), group.completions,
+            {**columns, "completion_ids": group.completion_ids})
 
     def _rollout_seed(self, step: int) -> int:
         return (self.config.seed * 1_000_003 + step) * 10_007 + self.context.rank * 1_009
@@ -307,10 +314,11 @@ class Trainer:
             return {}
         timed_wake(self.llm)
         examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
-        greedy = replace(self.config.rollout, num_generations=1, temperature=0.0)
+        greedy = replace(self.config.rollout, num_generations=1, temperature=0.0,
+                         dynamic_sampling=DynamicSamplingConfig())
         batch = self._rollouts(examples, seed=0, rollout=greedy)
-        _, per_function = self._rewards_of(batch)
-        metrics = {f"eval_{name}": float(values.mean()) for name, values in per_function.items()}
+        metrics = {f"eval_{name}": float(values.mean())
+                   for name, values in batch.per_function.items()}
         accuracy_reward = self.config.eval_reward or self.rewards[0].name
         metrics["accuracy"] = metrics[f"eval_{accuracy_reward}"]
         return all_reduce_metrics(metrics, self.context)
@@ -359,11 +367,10 @@ class Trainer:
         torch.set_rng_state(trainer_state["rng"])
 
 
-def _rollout_metrics(batch: RolloutBatch, rewards: torch.Tensor,
-                     per_function: dict[str, torch.Tensor]) -> dict[str, float]:
+def _rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
     lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-            **{f"rewards/{name}": float(v.mean()) for name, v in per_function.items()},
+    return {"reward": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
+            **{f"rewards/{name}": float(v.mean()) for name, v in batch.per_function.items()},
             "completion_length": float(lengths.mean()),
             "completion_length_max": float(lengths.max()),
             "rollout_seconds": batch.seconds,

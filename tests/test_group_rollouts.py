@@ -1,0 +1,184 @@
+"""Groups as they finish (``LLM.generate_as_completed``, ``collect_groups``) and dynamic
+sampling, for single-turn completions and for episodes alike."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.trainers.config import (
+    DynamicSamplingConfig,
+    LoggingConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    load_config,
+)
+from tandem.trainers.environments import EnvStep
+from tandem.trainers.groups import CompletionSource, EpisodeSource, collect_groups
+from tandem.trainers.tasks import Task
+from tandem.trainers.trainer import Trainer
+
+# A small token budget chunks the longer prompts' prefills over several steps, so groups
+# finish at different steps.
+ENGINE = {"num_kv_blocks": 128, "max_model_len": 256, "max_num_batched_tokens": 32}
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+def test_generate_as_completed_yields_in_finish_order_what_generate_returns(llm):
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = [SamplingParams(max_tokens=m, seed=i, ignore_eos=True)
+              for i, m in enumerate((12, 2, 6))]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    outputs = list(llm.generate_as_completed(prompts, params))
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 6, 12]
+    by_prompt = {tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in outputs}
+    assert [by_prompt[tuple(p)] for p in prompts] == [e.outputs[0].token_ids for e in expected]
+
+
+def test_closing_generate_as_completed_early_aborts_the_rest(llm):
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (1, 40)]
+    iterator = llm.generate_as_completed([[5, 6], [7, 8]], params)
+    first = next(iterator)
+    assert len(first.outputs[0].token_ids) == 1
+    iterator.close()
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+def spread_by_example(llm: LLM | None = None, log: list | None = None, delay: float = 0.0):
+    """A scorer: rewards 0, 1, 0, 1, ... when the example says ``spread``, else all 0; with
+    ``log``, it records whether other requests were still generating at each call."""
+    def score(group) -> None:
+        time.sleep(delay)
+        if log is not None:
+            log.append((group.key, llm.engine.has_unfinished_requests()))
+        n = len(group.completions)
+        values = torch.tensor([float(i % 2) if group.example["spread"] else 0.0
+                               for i in range(n)])
+        group.rewards, group.per_function = values, {"spread": values}
+    return score
+
+
+class Echo:
+    """An environment answering every turn with one tool message; done after two."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["prompt"]}]
+
+    def step(self, messages):
+        self.turns += 1
+        return EnvStep([{"role": "tool", "content": f"ok {self.turns}"}], done=self.turns >= 2)
+
+
+def make_source(kind: str, llm: LLM, tokenizer, **rollout):
+    config = RolloutConfig(num_generations=4, max_tokens=6, max_turns=2, **rollout)
+    if kind == "completions":
+        return CompletionSource(llm, tokenizer, config, seed=0)
+    return EpisodeSource(llm, tokenizer, config, seed=0, make_environment=lambda _: Echo())
+
+
+def examples(pattern: str, start: int = 0) -> list[dict]:
+    """One example per letter (``s``: its rewards spread, ``f``: flat); later ones longer."""
+    return [{"prompt": f"What is {start + i}+3? " + "The quick brown fox. " * (6 * i),
+             "spread": c == "s"} for i, c in enumerate(pattern)]
+
+
+@pytest.mark.parametrize("kind", ["completions", "episodes"])
+def test_groups_are_scored_as_they_finish_while_others_generate(llm, tokenizer, kind):
+    source = make_source(kind, llm, tokenizer)
+    log: list = []
+    collected = collect_groups(source, examples("ssss"), lambda k: examples("s", 10)[0],
+                               spread_by_example(llm, log, delay=0.01),
+                               DynamicSamplingConfig())
+    assert [g.key for g in collected.groups] == [0, 1, 2, 3]
+    assert log[0][1], "the first group was scored only after every group had finished"
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("kind", ["completions", "episodes"])
+def test_dynamic_sampling_replaces_groups_whose_rewards_do_not_spread(llm, tokenizer, kind):
+    source = make_source(kind, llm, tokenizer)
+    extras = examples("fss", start=20)
+    collected = collect_groups(source, examples("sfsf"), lambda k: extras[k],
+                               spread_by_example(), DynamicSamplingConfig(enabled=True))
+    assert len(collected.groups) == 4 and all(g.has_spread for g in collected.groups)
+    assert collected.metrics["groups_sampled"] == 7  # 4, then one extra per flat group
+    assert collected.metrics["groups_dropped"] == 3
+    assert collected.metrics["groups_zero_spread_kept"] == 0
+    assert collected.metrics["dynamic_sampling_cap_reached"] == 0
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_reaching_the_cap_trains_on_what_it_has_and_says_so(llm, tokenizer):
+    source = make_source("completions", llm, tokenizer)
+    collected = collect_groups(source, examples("sfff"), lambda k: examples("f", 30 + k)[0],
+                               spread_by_example(),
+                               DynamicSamplingConfig(enabled=True, max_extra_prompts=2))
+    metrics = collected.metrics
+    assert metrics["groups_sampled"] == 6 and metrics["dynamic_sampling_cap_reached"] == 1
+    assert len(collected.groups) == 4 and metrics["groups_zero_spread_kept"] == 3
+
+
+def test_keep_mode_trains_on_every_group_sampled(llm, tokenizer):
+    source = make_source("completions", llm, tokenizer)
+    collected = collect_groups(source, examples("sf"), lambda k: examples("s", 40 + k)[0],
+                               spread_by_example(),
+                               DynamicSamplingConfig(enabled=True, zero_spread="keep"))
+    assert [g.key for g in collected.groups] == [0, 1, 2]
+    assert collected.metrics["groups_zero_spread_kept"] == 1
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("rollout.dynamic_sampling.max_extra_prompts=0", "max_extra_prompts=0 is invalid"),
+    ("rollout.dynamic_sampling.zero_spread=skip", "zero_spread"),
+    ("rollout.dynamic_sampling.filter=true", "unknown field(s) rollout.dynamic_sampling.filter"),
+])
+def test_bad_dynamic_sampling_options_are_refused_naming_the_field(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, [override])
+
+
+def test_dynamic_sampling_is_refused_for_ppo():
+    with pytest.raises(ValueError, match="dynamic_sampling is for GRPO"):
+        load_config(None, ["algorithm=ppo", "rollout.dynamic_sampling.enabled=true"])
+
+
+def first_token_even(completion_ids, **_) -> list[float]:
+    """1 when the completion's first token id is even: often all or none of a small group."""
+    return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
+
+
+def test_a_trainer_step_with_dynamic_sampling_trains_only_groups_that_spread(llama_dir,
+                                                                             tmp_path):
+    task = Task(lambda seed, index: {"prompt": f"Count {index}: one two"}, [],
+                {"even": first_token_even}, [("even", 1.0)])
+    config = TrainConfig(
+        model=str(llama_dir), steps=2, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=4, num_generations=2, max_tokens=3,
+                              engine=ENGINE,
+                              dynamic_sampling=DynamicSamplingConfig(enabled=True,
+                                                                     max_extra_prompts=12)),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    trainer = Trainer(config, task=task)
+    for metrics in (trainer.train_step(), trainer.train_step()):
+        assert metrics["groups_kept"] == 4
+        assert metrics["groups_sampled"] == 4 + metrics["groups_dropped"]
+        if not metrics["dynamic_sampling_cap_reached"]:
+            assert metrics["groups_zero_spread_kept"] == 0 and metrics["reward_std"] > 0
+    assert trainer.llm.stats()["kv_blocks_used"] == 0
