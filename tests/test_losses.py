@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
 import torch
 
+from tandem.trainers.config import ImportanceSamplingConfig, TrainConfig
 from tandem.trainers.losses import (
+    behaviour_kl,
     clipped_policy_loss,
     gae,
     group_advantages,
@@ -59,10 +62,63 @@ def test_clipping_stops_the_gradient_only_past_the_range():
     assert logprobs.grad[0, 1] == 0 and logprobs.grad[0, 0] != 0 and logprobs.grad[0, 2] != 0
 
 
-def test_importance_weights_are_truncated_and_raw_ratio_kept():
-    weights, raw = importance_weights(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 0.0]), 2.0)
-    assert weights.tolist() == pytest.approx([1.0, 2.0])
-    assert raw[1].item() == pytest.approx(2.718281, rel=1e-5)
+# Two sequences of three slots (the second's last slot is padding), trainer vs sampler.
+TRAINER = torch.tensor([[-1.0, -0.2, -1.5], [-0.5, -2.0, -9.0]])
+SAMPLER = torch.tensor([[-1.0, -1.2, -2.0], [-0.9, -2.1, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def reference_weights(mode: str, low: float, high: float) -> list[list[float]]:
+    """The weights computed per element from their definitions."""
+    rows = []
+    for t_row, s_row, m_row in zip(TRAINER.tolist(), SAMPLER.tolist(), MASK.tolist()):
+        token = [math.exp(t - s) if m else 1.0 for t, s, m in zip(t_row, s_row, m_row)]
+        sequence = math.prod(r for r, m in zip(token, m_row) if m)
+        ratios = token if mode.startswith("token") else [sequence] * 3
+        if mode.endswith("truncate"):
+            rows.append([min(max(r, low), high) for r in ratios])
+        else:
+            rows.append([r if low <= r <= high else 0.0 for r in ratios])
+    return rows
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
+                                  "sequence_mask"])
+def test_importance_weights_match_their_definitions(mode):
+    config = ImportanceSamplingConfig(mode=mode, clip_min=0.5, clip_max=2.0)
+    weights, raw, changed = importance_weights(TRAINER, SAMPLER, MASK, config)
+    expected = reference_weights(mode, 0.5, 2.0)
+    assert (weights * MASK).flatten().tolist() == pytest.approx(
+        (torch.tensor(expected) * MASK).flatten().tolist(), rel=1e-5)
+    assert changed[MASK.bool()].tolist() == [
+        float(not 0.5 <= r <= 2.0) for r in raw[MASK.bool()].tolist()]
+
+
+def test_no_correction_weighs_every_token_one_and_still_reports_the_ratio():
+    weights, raw, changed = importance_weights(TRAINER, SAMPLER, MASK,
+                                               ImportanceSamplingConfig(mode="none"))
+    assert weights.eq(1).all() and changed.eq(0).all()
+    assert raw[0, 1].item() == pytest.approx(math.e, rel=1e-5)
+
+
+def test_behaviour_kl_estimates_agree_with_their_definitions():
+    k1, k3 = behaviour_kl(TRAINER, SAMPLER, MASK)
+    deltas = [t - s for t_row, s_row, m_row in zip(TRAINER.tolist(), SAMPLER.tolist(),
+                                                    MASK.tolist())
+              for t, s, m in zip(t_row, s_row, m_row) if m]
+    assert k1.item() == pytest.approx(statistics.mean(-d for d in deltas), rel=1e-5)
+    assert k3.item() == pytest.approx(statistics.mean(math.exp(d) - d - 1 for d in deltas),
+                                      rel=1e-5)
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ({"mode": "token_clip"}, "importance_sampling.mode"),
+    ({"clip_min": 3.0, "clip_max": 2.0}, "is not a range"),
+    ({"mode": "token_mask", "clip_max": None}, "set at least one"),
+])
+def test_bad_importance_sampling_settings_are_refused(section, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(importance_sampling=ImportanceSamplingConfig(**section))
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "token", "dr_grpo"])

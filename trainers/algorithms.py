@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GRPOLossConfig, PPOConfig
+from .config import GRPOLossConfig, ImportanceSamplingConfig, PPOConfig
 from .losses import (
+    behaviour_kl,
     clipped_policy_loss,
     clipped_value_loss,
     gae,
@@ -62,21 +63,26 @@ class MicroBatch:
 
 
 def policy_terms(micro: MicroBatch, advantages: torch.Tensor, epsilon_low: float,
-                 epsilon_high: float, is_cap: float
+                 epsilon_high: float, correction: ImportanceSamplingConfig
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The importance-weighted clipped surrogate per token (old log-probs: this pass's,
     detached, as each rollout batch gets one update) and its ratio, clipping and
-    sampler-vs-trainer metrics."""
+    sampler-vs-trainer metrics (verl's rollout-correction ones among them)."""
     old_logprobs = micro.logprobs.detach()
-    weights, raw = importance_weights(old_logprobs, micro.sampler_logprobs, is_cap)
+    weights, raw, changed = importance_weights(old_logprobs, micro.sampler_logprobs,
+                                               micro.mask, correction)
     per_token, was_clipped = clipped_policy_loss(micro.logprobs, old_logprobs, advantages,
                                                  epsilon_low, epsilon_high, weights)
     mask = micro.mask.bool()
     diff = (old_logprobs - micro.sampler_logprobs).abs()[mask]
+    kl_k1, kl_k3 = behaviour_kl(old_logprobs, micro.sampler_logprobs, micro.mask)
+    changed_key = "is_masked_fraction" if correction.mode.endswith("mask") else \
+        "is_truncated_fraction"
     return per_token, {
         "is_ratio_min": raw[mask].min(), "is_ratio_max": raw[mask].max(),
-        "is_ratio_mean": raw[mask].mean(), "sampler_logprob_diff_max": diff.max(),
-        "sampler_logprob_diff_mean": diff.mean(),
+        "is_ratio_mean": raw[mask].mean(), changed_key: masked_mean(changed, micro.mask),
+        "behaviour_kl_k1": kl_k1, "behaviour_kl_k3": kl_k3,
+        "sampler_logprob_diff_max": diff.max(), "sampler_logprob_diff_mean": diff.mean(),
         "clip_fraction": masked_mean(was_clipped, micro.mask)}
 
 
@@ -85,8 +91,8 @@ class GRPO:
 
     uses_values = False
 
-    def __init__(self, config: GRPOLossConfig) -> None:
-        self.config = config
+    def __init__(self, config: GRPOLossConfig, correction: ImportanceSamplingConfig) -> None:
+        self.config, self.correction = config, correction
 
     @property
     def needs_reference(self) -> bool:
@@ -107,7 +113,7 @@ class GRPO:
         per_token, metrics = policy_terms(
             micro, targets.advantages[micro.rows], config.epsilon,
             config.epsilon if config.epsilon_high is None else config.epsilon_high,
-            config.importance_sampling_cap)
+            self.correction)
         if targets.ref_logprobs is not None:
             kl = k3_kl(micro.logprobs, targets.ref_logprobs[micro.rows])
             per_token = per_token + config.beta * kl
@@ -123,8 +129,8 @@ class PPO:
     uses_values = True
     needs_reference = True
 
-    def __init__(self, config: PPOConfig) -> None:
-        self.config = config
+    def __init__(self, config: PPOConfig, correction: ImportanceSamplingConfig) -> None:
+        self.config, self.correction = config, correction
 
     def prepare(self, rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor,
                 score: ScoreFn) -> StepTargets:
@@ -145,7 +151,7 @@ class PPO:
         """This micro-batch's share of the PPO loss (token mean) and its metrics."""
         config = self.config
         policy, metrics = policy_terms(micro, targets.advantages[micro.rows], config.cliprange,
-                                       config.cliprange, config.importance_sampling_cap)
+                                       config.cliprange, self.correction)
         value = clipped_value_loss(micro.values, targets.old_values[micro.rows],
                                    targets.returns[micro.rows], config.cliprange_value)
         per_token = policy + config.vf_coef * value

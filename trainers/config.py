@@ -118,8 +118,6 @@ class GRPOLossConfig:
         loss_type: ``"grpo"`` (mean over each completion, then over completions),
             ``"dr_grpo"`` (sum over tokens divided by completions × max_tokens) or
             ``"token"`` (mean over all tokens of the batch).
-        importance_sampling_cap: truncate the trainer/sampler importance ratio at this
-            (0 disables the correction).
     """
 
     epsilon: float = 0.2
@@ -127,7 +125,6 @@ class GRPOLossConfig:
     beta: float = 0.0
     scale_rewards: bool = True
     loss_type: str = "grpo"
-    importance_sampling_cap: float = 2.0
 
 
 @dataclass(slots=True)
@@ -142,7 +139,6 @@ class PPOConfig:
         cliprange_value: the value's clip range around the old value.
         vf_coef: weight of the value loss.
         whiten_advantages: normalise advantages over the batch.
-        importance_sampling_cap: as in GRPO.
     """
 
     gamma: float = 1.0
@@ -152,7 +148,31 @@ class PPOConfig:
     cliprange_value: float = 0.2
     vf_coef: float = 0.1
     whiten_advantages: bool = True
-    importance_sampling_cap: float = 2.0
+
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate",
+                             "sequence_mask", "none")
+
+
+@dataclass(slots=True)
+class ImportanceSamplingConfig:
+    """The off-policy correction of GRPO's and PPO's loss (the recipe's
+    ``importance_sampling`` section; TRL's ``vllm_importance_sampling_*`` shapes): each token's
+    loss is weighted by the ratio of the trainer's probability to the engine's (the
+    behaviour policy's processed log-probs, whatever weight version sampled them).
+
+    Attributes:
+        mode: ``token_truncate`` (each token's ratio, clamped into the range),
+            ``token_mask`` (tokens whose ratio leaves the range get no gradient),
+            ``sequence_truncate`` / ``sequence_mask`` (the same with one ratio per sequence:
+            the product of its tokens'), or ``none``.
+        clip_min: the range's lower end (None: unbounded).
+        clip_max: the range's upper end (None: unbounded).
+    """
+
+    mode: str = "token_truncate"
+    clip_min: float | None = None
+    clip_max: float | None = 2.0
 
 
 @dataclass(slots=True)
@@ -222,6 +242,7 @@ class TrainConfig:
         sync_alias: let the engine serve the trainer's tensors instead of copies (same
             device and dtype only; saves the copy and its memory).
         distributed: ``"ddp"`` or ``"fsdp2"`` under torchrun.
+        importance_sampling: the off-policy correction of the loss (both algorithms).
     """
 
     algorithm: str = "grpo"
@@ -244,6 +265,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     grpo: GRPOLossConfig = field(default_factory=GRPOLossConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    importance_sampling: ImportanceSamplingConfig = field(
+        default_factory=ImportanceSamplingConfig)
     lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -256,6 +279,7 @@ class TrainConfig:
         _one_of("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "token"))
         _one_of("lora.sync_mode", self.lora.sync_mode, ("merge", "runtime"))
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online"))
+        _check_importance_sampling(self.importance_sampling)
         _one_of("rollout.dynamic_sampling.zero_spread", self.rollout.dynamic_sampling.zero_spread,
                 ("drop", "keep"))
         for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
@@ -353,6 +377,18 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         if not isinstance(data, dict):
             raise ValueError(f"override {key!r}: {section!r} is not a section.")
     data[last] = value
+
+
+def _check_importance_sampling(config: ImportanceSamplingConfig) -> None:
+    _one_of("importance_sampling.mode", config.mode, IMPORTANCE_SAMPLING_MODES)
+    low, high = config.clip_min, config.clip_max
+    if (low is not None and low < 0) or (high is not None and high <= 0) or \
+            (low is not None and high is not None and low >= high):
+        raise ValueError(f"importance_sampling.clip_min={low!r}, clip_max={high!r} is not a "
+                         "range: use 0 <= clip_min < clip_max (either may be null).")
+    if config.mode.endswith("mask") and low is None and high is None:
+        raise ValueError(f"importance_sampling.mode={config.mode!r} masks tokens outside "
+                         "[clip_min, clip_max]: set at least one of them.")
 
 
 def _get(config: Any, dotted: str) -> Any:

@@ -6,7 +6,11 @@ real tokens), so a micro-batch and a whole batch are computed the same way.
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from .config import ImportanceSamplingConfig
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
@@ -25,12 +29,35 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
 
 
 def importance_weights(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                       cap: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The truncated importance weights ``min(π_train / π_sampler, cap)`` (all 1 when
-    ``cap`` is 0) and the raw ratio, both detached."""
-    raw = torch.exp(old_logprobs.detach() - sampler_logprobs)
-    weights = raw.clamp(max=cap) if cap > 0 else torch.ones_like(raw)
-    return weights, raw
+                       mask: torch.Tensor, config: ImportanceSamplingConfig
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The off-policy correction ``π_train / π_sampler`` of each token, all detached.
+
+    Returns the weights (per token, or one per sequence repeated over its tokens: the
+    product of its tokens' ratios), the raw ratio, and a float mask of the tokens whose
+    weight the mode changed: truncated into ``[clip_min, clip_max]``, or for the ``*_mask``
+    modes, zeroed because the ratio left that range (TRL's ``vllm_importance_sampling_mode``).
+    """
+    log_ratio = (old_logprobs.detach() - sampler_logprobs) * mask
+    if config.mode.startswith("sequence"):
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(mask)
+    raw = torch.exp(log_ratio.clamp(max=80.0))  # a sequence's product stays finite
+    if config.mode == "none":
+        return torch.ones_like(raw), raw, torch.zeros_like(raw)
+    low = -math.inf if config.clip_min is None else config.clip_min
+    high = math.inf if config.clip_max is None else config.clip_max
+    outside = (raw < low) | (raw > high)
+    if config.mode.endswith("truncate"):
+        return raw.clamp(min=low, max=high), raw, outside.float()
+    return raw.masked_fill(outside, 0.0), raw, outside.float()
+
+
+def behaviour_kl(old_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Estimates of KL(π_sampler ‖ π_train) over the sampled tokens: k1 (the mean log-ratio)
+    and k3 (``r - log r - 1`` with ``r = π_train / π_sampler``, never negative)."""
+    delta = (old_logprobs.detach() - sampler_logprobs) * mask
+    return masked_mean(-delta, mask), masked_mean(torch.exp(delta) - delta - 1, mask)
 
 
 def clipped_policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor,

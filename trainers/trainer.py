@@ -73,7 +73,9 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.algorithm = GRPO(config.grpo) if config.algorithm == "grpo" else PPO(config.ppo)
+        self.algorithm = (GRPO(config.grpo, config.importance_sampling)
+                          if config.algorithm == "grpo"
+                          else PPO(config.ppo, config.importance_sampling))
         self.policy = self._build_policy()
         self.reference = self._build_reference()
         self.model = wrap_policy(self.policy, self.context, config.distributed)
