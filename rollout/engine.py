@@ -20,6 +20,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .default_model import resolve_model
+from .engine_stats import engine_stats
 from .errors import EngineAsleepError
 from .held import Continuation, HeldSequences
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt
@@ -84,6 +85,8 @@ class LLMEngine:
         self._new_pool()
 
     def _new_pool(self) -> None:
+        """A fresh block manager and scheduler; sequences a sleep preempted wait in it."""
+        waiting = self.scheduler.waiting if hasattr(self, "scheduler") else ()
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.block_manager.extra_key = (self.weight_version, None)
@@ -91,6 +94,7 @@ class LLMEngine:
                                    self.config.max_num_batched_tokens, self.eos_token_ids,
                                    self.max_model_len, self.output_processor.match_stop_string,
                                    self.held, self.runner.ops.cascade)
+        self.scheduler.waiting.extend(waiting)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
@@ -179,7 +183,13 @@ class LLMEngine:
         self.scheduler.add(first)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests it finished."""
+        """Run one scheduled step; return the outputs of the requests it finished.
+
+        Raises:
+            EngineAsleepError: while the engine sleeps with requests it kept.
+        """
+        if self.sleep_level and self.requests:
+            raise EngineAsleepError("the engine is asleep: call wake_up() before stepping.")
         with self.lock:
             return self._step()
 
@@ -227,38 +237,8 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int | float]:
-        """The engine's counters.
-
-        Memory held (and, when sized from a device share, the plan's parts as
-        ``memory_*``), the decode graphs (how many, the seconds and device bytes their last
-        capture took), KV pool use (``kv_blocks_used_peak``: the most blocks held at once since
-        the engine was last idle), queue lengths, weight version, prefix-cache hits,
-        copy-on-write copies, preemptions, prefill tokens computed (since the pool was made)
-        and held sequences.
-        """
-        block_manager = self.block_manager
-        plan = self.memory_plan.as_stats() if self.memory_plan else {}
-        return plan | {
-            "sleep_level": self.sleep_level,
-            "weight_bytes": self.runner.weight_bytes(),
-            "kv_cache_bytes": self.runner.kv_cache_bytes(),
-            "num_decode_graphs": len(self.runner.graphs.graphs) if self.runner.graphs else 0,
-            "graph_capture_seconds": self.runner.graph_capture_seconds,
-            "graph_bytes": self.runner.graph_bytes,
-            "kv_blocks_total": block_manager.num_blocks,
-            "kv_blocks_used": block_manager.num_used_blocks,
-            "kv_blocks_used_peak": self.kv_blocks_used_peak,
-            "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "weight_version": self.weight_version,
-            "prefix_cache_queried_tokens": block_manager.num_queried_tokens,
-            "prefix_cache_hit_tokens": block_manager.num_hit_tokens,
-            "cow_copies": block_manager.num_cow_copies,
-            "preemptions": self.scheduler.num_preemptions,
-            "prefill_tokens": self.scheduler.num_prefill_tokens,
-            "held_sequences": len(self.held),
-        }
+        """The engine's counters (see ``engine_stats``)."""
+        return engine_stats(self)
 
     def weight_update(self, version: int | None = None, full: bool = True,
                       alias: bool = False) -> WeightUpdate:
@@ -334,6 +314,12 @@ class LLMEngine:
             self._serve_version(version, lora_id)
             self._recapture_graphs()  # the graphs were captured with or without adapters
 
+    def recompute_unfinished(self) -> None:
+        """Free the KV of every unfinished sequence; each recomputes its tokens when next
+        scheduled (under the weights served then: the prefix cache keys on the version)."""
+        with self.lock:
+            self.scheduler.preempt_all()
+
     def _serve_version(self, version: int, lora_id: int | None) -> None:
         """Serve new weights from the next step: held KV of the old ones is released (a
         continuation recomputes), and the prefix cache keys on the new version."""
@@ -341,19 +327,24 @@ class LLMEngine:
         self.block_manager.extra_key = (version, lora_id)
         self.scheduler.release_held_kv()
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, preempt: bool = False) -> None:
         """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
 
+        With ``preempt`` unfinished requests are kept: their KV is freed and they recompute
+        after ``wake_up`` (partial rollouts carried across a step).
+
         Raises:
-            ValueError: for a level other than 1 or 2, or while requests are unfinished.
+            ValueError: for a level other than 1 or 2, or while requests are unfinished
+                (without ``preempt``).
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level {level} is invalid: use 1 (free the KV pool) or 2 "
                              "(also move the weights to CPU).")
-        if self.has_unfinished_requests():
-            raise ValueError("cannot sleep with unfinished requests: let them finish or abort "
-                             "them first.")
+        if self.has_unfinished_requests() and not preempt:
+            raise ValueError("cannot sleep with unfinished requests: let them finish, abort "
+                             "them, or sleep(preempt=True) to recompute them after wake_up.")
         with self.lock:
+            self.scheduler.preempt_all()
             self.scheduler.release_held_kv()
             self.runner.free_kv_cache()
             if level == 2 and not self.weights_offloaded:

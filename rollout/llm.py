@@ -152,9 +152,10 @@ class LLM:
         """
         return self.engine.update_weights(named_tensors, version, full, alias)
 
-    def sleep(self, level: int = 1) -> None:
-        """Free the KV pool (level 2: also move weights to CPU) while the trainer steps."""
-        self.engine.sleep(level)
+    def sleep(self, level: int = 1, preempt: bool = False) -> None:
+        """Free the KV pool (level 2: also move weights to CPU) while the trainer steps
+        (``preempt``: keep unfinished requests, recomputed after ``wake_up``)."""
+        self.engine.sleep(level, preempt)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore the weights and a fresh KV pool after ``sleep`` (``tags``: only some)."""

@@ -92,23 +92,22 @@ class OutputProcessor:
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
             outputs=[self._completion(seq) for seq in request.seqs], finished=finished,
-            weight_version=max((s.last_weight_version or 0 for s in request.seqs),
-                               default=weight_version),
+            weight_version=max((s.token_weight_versions[-1] for s in request.seqs
+                                if s.token_weight_versions), default=weight_version),
             prompt_logprobs=_prompt_logprobs(request))
 
     def _completion(self, seq: Sequence) -> CompletionOutput:
         params = seq.sampling_params
         wants_logprobs = params.logprobs is not None
-        versions = None
-        if seq.first_weight_version is not None:
-            versions = (seq.first_weight_version, seq.last_weight_version)
         return CompletionOutput(
             index=seq.index, token_ids=seq.output_token_ids, text=self._final_text(seq),
             cumulative_logprob=sum(seq.logprobs) if seq.logprobs else None,
             logprobs=list(seq.logprobs) if wants_logprobs else None,
             top_logprobs=list(seq.top_logprobs) if params.logprobs else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            weight_versions=versions)
+            weight_versions=seq.weight_versions,
+            token_weight_versions=list(seq.token_weight_versions),
+            sampling_thresholds=list(seq.sampling_thresholds) if params.truncates else None)
 
     def _final_text(self, seq: Sequence) -> str:
         output = seq.output_token_ids

@@ -11,13 +11,16 @@ class SamplerOutput:
     """What the model runner returns for one step (plain lists, no tensors).
 
     One sampled token per sampling row, its processed log-prob, and the top-k log-probs if
-    asked; ``prompt_logprobs`` maps a batch row to the prompt log-probs its chunk scored
-    (one dict per prompt position, see ``RequestOutput.prompt_logprobs``).
+    asked; ``thresholds`` per row the kept set's threshold where top-k / top-p / min-p
+    truncated it (None elsewhere; see ``CompletionOutput``); ``prompt_logprobs`` maps a
+    batch row to the prompt log-probs its chunk scored (one dict per prompt position, see
+    ``RequestOutput.prompt_logprobs``).
     """
 
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[dict[int, float] | None]
+    thresholds: list[float | None] | None = None
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
@@ -29,7 +32,12 @@ class CompletionOutput:
     to stop); ``text`` leaves it (and a matched stop string) out. ``logprobs`` holds one float
     per token, the sampled token's processed log-prob, when the request asked for log-probs;
     ``top_logprobs`` one dict per token when it asked for k > 0. ``weight_versions`` are the
-    engine's weight versions at the first and the last sampled token.
+    engine's weight versions at the first and the last sampled token;
+    ``token_weight_versions`` the version each token was sampled under (they differ when a
+    sequence decodes across a weight update). ``sampling_thresholds`` (requests that
+    truncate with top-k, top-p or min-p) give per token the logit, after penalties and
+    temperature, halfway between the last kept and the first dropped token: the kept set is
+    every token at or above it, so a trainer rebuilds the truncated distribution exactly.
     """
 
     index: int
@@ -41,6 +49,8 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     weight_versions: tuple[int, int] | None = None
+    token_weight_versions: list[int] = field(default_factory=list)
+    sampling_thresholds: list[float] | None = None
 
 
 @dataclass(slots=True)

@@ -29,12 +29,15 @@ class Sampler:
         logits = logits.float()
         self._apply_penalties(logits, seqs)
         self._suppress_stop_tokens(logits, seqs)
-        logits = self._apply_temperature(logits, seqs)
-        logits = self._truncate(logits, seqs)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        processed = self._apply_temperature(logits, seqs)
+        truncated = self._truncate(processed, seqs)
+        logprobs = torch.log_softmax(truncated, dim=-1)
         token_ids = self._draw(logprobs, seqs)
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, seqs))
+        thresholds = None if truncated is processed else \
+            kept_thresholds(processed, truncated, [s.sampling_params.truncates for s in seqs])
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, seqs),
+                             thresholds)
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget the generators of finished sequences."""
@@ -90,11 +93,11 @@ class Sampler:
         top_p = [s.sampling_params.top_p if g else 1.0 for s, g in zip(seqs, sampled)]
         min_p = [s.sampling_params.min_p if g else 0.0 for s, g in zip(seqs, sampled)]
         if any(top_k):
-            logits = _apply_top_k(logits, top_k)
+            logits = apply_top_k(logits, top_k)
         if any(p < 1.0 for p in top_p):
-            logits = _apply_top_p(logits, torch.tensor(top_p, device=logits.device))
+            logits = apply_top_p(logits, torch.tensor(top_p, device=logits.device))
         if any(min_p):
-            logits = _apply_min_p(logits, torch.tensor(min_p, device=logits.device))
+            logits = apply_min_p(logits, torch.tensor(min_p, device=logits.device))
         return logits
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -132,7 +135,9 @@ class Sampler:
         return generator
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """``logits`` (rows of a vocabulary) with all but each row's ``top_k`` largest at -inf
+    (0: all kept)."""
     k = torch.tensor([t or logits.shape[1] for t in top_k], device=logits.device)
     k = k.clamp(max=logits.shape[1])
     sorted_logits = logits.sort(dim=-1, descending=True).values
@@ -140,7 +145,9 @@ def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``logits`` with each row's tokens outside its smallest set of mass ``top_p`` at -inf
+    (the most likely token always kept)."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= (1.0 - top_p[:, None])
@@ -148,10 +155,26 @@ def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
 
 
-def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """``logits`` with each row's tokens less likely than ``min_p`` times its top one at
+    -inf."""
     probs = logits.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def kept_thresholds(processed: torch.Tensor, truncated: torch.Tensor,
+                    rows: list[bool]) -> list[float | None]:
+    """Per row of ``rows``, the logit halfway between the smallest kept and the largest
+    dropped one of ``processed`` (``truncated`` is -inf where dropped); -inf when nothing
+    was dropped, None for the other rows."""
+    kept = torch.isfinite(truncated)
+    dropped = ~kept & torch.isfinite(processed)
+    lowest_kept = processed.masked_fill(~kept, float("inf")).min(dim=-1).values
+    highest_dropped = processed.masked_fill(~dropped, float("-inf")).max(dim=-1).values
+    middle = torch.where(dropped.any(dim=-1), (lowest_kept + highest_dropped) / 2,
+                         torch.full_like(lowest_kept, float("-inf")))
+    return [value if row else None for value, row in zip(middle.tolist(), rows)]
 
 
 def _top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:

@@ -81,6 +81,11 @@ class SamplingParams:
         """True when the request takes the argmax token (temperature 0)."""
         return self.temperature == 0.0
 
+    @property
+    def truncates(self) -> bool:
+        """True when sampling keeps only part of the vocabulary (top-k, top-p or min-p)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
 
 def _check(ok: bool, name: str, value: object, valid: str) -> None:
     if not ok:

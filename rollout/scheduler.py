@@ -222,6 +222,11 @@ class Scheduler:
     def _num_shared_blocks(self, seqs: list[Sequence]) -> int:
         return self.block_manager.shared_prefix_blocks(seqs) if len(seqs) > 1 else 0
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence, newest first, so the oldest waits at the front."""
+        for seq in reversed(list(self.running)):
+            self.preempt(seq)
+
     def preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and requeue it at the front; it is recomputed later."""
         self.running.remove(seq)
@@ -249,7 +254,8 @@ class Scheduler:
                 continue
             for member in self._fork(seq):
                 member.append_token(output.token_ids[row], output.logprobs[row],
-                                    output.top_logprobs[row], weight_version)
+                                    output.top_logprobs[row], weight_version,
+                                    output.thresholds[row] if output.thresholds else None)
                 row += 1
                 finish_reason = self._stop_reason(member)
                 if finish_reason is not None:

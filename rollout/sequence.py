@@ -56,8 +56,8 @@ class Sequence:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    first_weight_version: int | None = None
-    last_weight_version: int | None = None
+    token_weight_versions: list[int] = field(default_factory=list)
+    sampling_thresholds: list[float] = field(default_factory=list)
     hold_kv: bool = False
     resume_from: Sequence | None = None
 
@@ -77,6 +77,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def weight_versions(self) -> tuple[int, int] | None:
+        """The weight versions of the first and the last sampled token (None before any)."""
+        versions = self.token_weight_versions
+        return (versions[0], versions[-1]) if versions else None
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V the model has not written yet."""
         return len(self.token_ids) - self.num_computed_tokens
@@ -94,16 +100,16 @@ class Sequence:
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None,
-                     weight_version: int) -> None:
-        """Append a sampled token with its log-probs and the weight version it was sampled
-        under."""
+                     weight_version: int, threshold: float | None = None) -> None:
+        """Append a sampled token with its log-probs, the weight version it was sampled
+        under and its truncation threshold (when sampling truncated)."""
         self.token_ids.append(token_id)
         self.logprobs.append(logprob)
         if top_logprobs is not None:
             self.top_logprobs.append(top_logprobs)
-        if self.first_weight_version is None:
-            self.first_weight_version = weight_version
-        self.last_weight_version = weight_version
+        if threshold is not None:
+            self.sampling_thresholds.append(threshold)
+        self.token_weight_versions.append(weight_version)
 
 
 def child_seed(seed: int, index: int) -> int:

@@ -14,12 +14,13 @@ from tandem.trainers.config import (
     DynamicSamplingConfig,
     LoggingConfig,
     OptimConfig,
+    PartialRolloutConfig,
     RolloutConfig,
     TrainConfig,
     load_config,
 )
 from tandem.trainers.environments import EnvStep
-from tandem.trainers.groups import CompletionSource, EpisodeSource, collect_groups
+from tandem.trainers.groups import CompletionSource, EpisodeSource, GroupCollector
 from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
@@ -93,6 +94,10 @@ def make_source(kind: str, llm: LLM, tokenizer, **rollout):
     return EpisodeSource(llm, tokenizer, config, seed=0, make_environment=lambda _: Echo())
 
 
+def collect_once(source, step_examples, extra_example, score, dynamic):
+    return GroupCollector(source, dynamic).collect(step_examples, extra_example, score)
+
+
 def examples(pattern: str, start: int = 0) -> list[dict]:
     """One example per letter (``s``: its rewards spread, ``f``: flat); later ones longer."""
     return [{"prompt": f"What is {start + i}+3? " + "The quick brown fox. " * (6 * i),
@@ -103,7 +108,7 @@ def examples(pattern: str, start: int = 0) -> list[dict]:
 def test_groups_are_scored_as_they_finish_while_others_generate(llm, tokenizer, kind):
     source = make_source(kind, llm, tokenizer)
     log: list = []
-    collected = collect_groups(source, examples("ssss"), lambda k: examples("s", 10)[0],
+    collected = collect_once(source, examples("ssss"), lambda k: examples("s", 10)[0],
                                spread_by_example(llm, log, delay=0.01),
                                DynamicSamplingConfig())
     assert [g.key for g in collected.groups] == [0, 1, 2, 3]
@@ -115,7 +120,7 @@ def test_groups_are_scored_as_they_finish_while_others_generate(llm, tokenizer, 
 def test_dynamic_sampling_replaces_groups_whose_rewards_do_not_spread(llm, tokenizer, kind):
     source = make_source(kind, llm, tokenizer)
     extras = examples("fss", start=20)
-    collected = collect_groups(source, examples("sfsf"), lambda k: extras[k],
+    collected = collect_once(source, examples("sfsf"), lambda k: extras[k],
                                spread_by_example(), DynamicSamplingConfig(enabled=True))
     assert len(collected.groups) == 4 and all(g.has_spread for g in collected.groups)
     assert collected.metrics["groups_sampled"] == 7  # 4, then one extra per flat group
@@ -127,7 +132,7 @@ def test_dynamic_sampling_replaces_groups_whose_rewards_do_not_spread(llm, token
 
 def test_reaching_the_cap_trains_on_what_it_has_and_says_so(llm, tokenizer):
     source = make_source("completions", llm, tokenizer)
-    collected = collect_groups(source, examples("sfff"), lambda k: examples("f", 30 + k)[0],
+    collected = collect_once(source, examples("sfff"), lambda k: examples("f", 30 + k)[0],
                                spread_by_example(),
                                DynamicSamplingConfig(enabled=True, max_extra_prompts=2))
     metrics = collected.metrics
@@ -137,7 +142,7 @@ def test_reaching_the_cap_trains_on_what_it_has_and_says_so(llm, tokenizer):
 
 def test_keep_mode_trains_on_every_group_sampled(llm, tokenizer):
     source = make_source("completions", llm, tokenizer)
-    collected = collect_groups(source, examples("sf"), lambda k: examples("s", 40 + k)[0],
+    collected = collect_once(source, examples("sf"), lambda k: examples("s", 40 + k)[0],
                                spread_by_example(),
                                DynamicSamplingConfig(enabled=True, zero_spread="keep"))
     assert [g.key for g in collected.groups] == [0, 1, 2]
@@ -181,4 +186,94 @@ def test_a_trainer_step_with_dynamic_sampling_trains_only_groups_that_spread(lla
         assert metrics["groups_sampled"] == 4 + metrics["groups_dropped"]
         if not metrics["dynamic_sampling_cap_reached"]:
             assert metrics["groups_zero_spread_kept"] == 0 and metrics["reward_std"] > 0
+    assert trainer.llm.stats()["kv_blocks_used"] == 0
+
+
+def same_weights(llm: LLM) -> list:
+    return [(name, tensor.clone()) for name, tensor in llm.engine.weight_parameters().items()]
+
+
+@pytest.mark.parametrize("carried_kv", ["keep", "recompute"])
+def test_partial_rollouts_carry_unfinished_groups_through_an_update(llama_dir, tokenizer,
+                                                                    carried_kv):
+    llm = LLM(str(llama_dir), **ENGINE)
+    config = RolloutConfig(num_generations=2, max_tokens=12)
+    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=5)
+    collector = GroupCollector(CompletionSource(llm, tokenizer, config, seed=0),
+                               DynamicSamplingConfig(), partial)
+    extras = iter(examples("ssss", start=50))
+    first = collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
+    assert len(first.groups) == 2 and llm.engine.has_unfinished_requests()
+    assert llm.stats()["kv_blocks_used"] > 0  # paused with their KV
+    llm.update_weights(same_weights(llm))
+    if carried_kv == "recompute":
+        llm.engine.recompute_unfinished()
+        assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_running"] == 0
+    second = collector.collect(examples("ss", start=60), lambda k: next(extras),
+                               spread_by_example())
+    keys = [g.key for g in second.groups]
+    assert keys == sorted(keys) and keys[0] < 4  # a carried group of the first step first
+    versions = [v for g in second.groups for row in g.token_weight_versions for v in row]
+    assert set(versions) == {0, 1}  # carried tokens of version 0, then version 1
+    collector.drop_carried()
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_a_group_older_than_max_staleness_restarts_from_its_prompt(llama_dir, tokenizer):
+    llm = LLM(str(llama_dir), **ENGINE)
+    config = RolloutConfig(num_generations=2, max_tokens=12)
+    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=0)
+    collector = GroupCollector(CompletionSource(llm, tokenizer, config, seed=0),
+                               DynamicSamplingConfig(), partial)
+    extras = iter(examples("ssss", start=70))
+    collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
+    llm.update_weights(same_weights(llm))
+    second = collector.collect(examples("ss", start=80), lambda k: next(extras),
+                               spread_by_example())
+    assert second.metrics["partial_restarted_groups"] >= 1
+    unfinished_before = {g.key for g in second.groups if g.key >= 2}
+    for group in second.groups:
+        if group.key in unfinished_before:  # restarted, or admitted after the update
+            assert {v for row in group.token_weight_versions for v in row} == {1}
+    collector.drop_carried()
+
+
+def test_sleep_with_preempt_keeps_unfinished_requests_and_they_finish_after_wake(llama_dir):
+    llm = LLM(str(llama_dir), **ENGINE)
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()
+    with pytest.raises(ValueError, match="preempt=True"):
+        llm.sleep(1)
+    llm.sleep(1, preempt=True)
+    assert llm.stats()["kv_cache_bytes"] == 0
+    llm.wake_up()
+    finished = []
+    while llm.engine.has_unfinished_requests():
+        finished += llm.engine.step()
+    assert len(finished[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["rollout.partial.max_staleness=-1"], "max_staleness=-1 is invalid"),
+    (["rollout.partial.carried_kv=reuse"], "carried_kv"),
+    (["rollout.partial.enabled=true", "sync_alias=true"], "sync_alias"),
+])
+def test_bad_partial_rollout_options_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_partial_training_steps_log_staleness_and_leave_the_pool_empty(llama_dir, tmp_path):
+    task = Task(lambda seed, index: {"prompt": "Count: " + "one two " * (index % 5)}, [],
+                {"even": first_token_even}, [("even", 1.0)])
+    config = TrainConfig(
+        model=str(llama_dir), steps=3, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=2, num_generations=2, max_tokens=6,
+                              engine=ENGINE, partial=PartialRolloutConfig(enabled=True)),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    trainer = Trainer(config, task=task)
+    history = trainer.train()["history"]
+    assert all(0 <= m["staleness_mean"] <= 1 and "partial_restarted_groups" in m
+               for m in history)
+    assert not trainer.llm.engine.has_unfinished_requests()
     assert trainer.llm.stats()["kv_blocks_used"] == 0

@@ -60,6 +60,15 @@ def test_truncated_logprobs_renormalise_over_kept_tokens(llm, hf_model, truncati
         top = completion.top_logprobs[position]
         assert len(top) == 3 and max(top.values()) <= 0.0
         assert math.isclose(sum(math.exp(v) for v in expected.tolist()), 1.0, rel_tol=1e-4)
+        threshold = completion.sampling_thresholds[position]  # rebuilds the same set
+        assert sorted(torch.nonzero(logits[position] >= threshold).flatten().tolist()) == \
+            sorted(kept)
+
+
+def test_untruncated_sampling_returns_no_thresholds(llm):
+    completion = llm.generate([[5, 6]], SamplingParams(max_tokens=3, seed=0),
+                              use_tqdm=False)[0].outputs[0]
+    assert completion.sampling_thresholds is None
 
 
 def kept_tokens(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0,

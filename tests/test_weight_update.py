@@ -131,6 +131,7 @@ def test_request_straddling_an_update_records_both_versions(llama_dir):
     while engine.has_unfinished_requests():
         finished += engine.step()
     assert finished[0].outputs[0].weight_versions == (0, 1)
+    assert finished[0].outputs[0].token_weight_versions == [0, 0, 1, 1, 1, 1]
     assert finished[0].weight_version == 1
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GRPOLossConfig, ImportanceSamplingConfig, PPOConfig
+from .loss_config import GRPOLossConfig, ImportanceSamplingConfig, PPOConfig
 from .losses import (
     behaviour_kl,
     clipped_policy_loss,

@@ -18,6 +18,14 @@ import yaml
 
 from tandem.rollout.config import EngineConfig
 
+from .loss_config import (
+    IMPORTANCE_SAMPLING_MODES,
+    GRPOLossConfig,
+    ImportanceSamplingConfig,
+    PPOConfig,
+    check_importance_sampling,
+)
+
 
 @dataclass(slots=True)
 class RewardFunctionConfig:
@@ -53,6 +61,29 @@ class DynamicSamplingConfig:
 
 
 @dataclass(slots=True)
+class PartialRolloutConfig:
+    """Partial rollouts (slime's APRIL, AReaL): the recipe's ``rollout.partial`` section.
+
+    Attributes:
+        enabled: over-provision groups and train as soon as ``prompts_per_step`` are
+            complete; the unfinished ones stay in the engine, paused with their KV, through
+            the weight update, and go on in the next step.
+        over_provision: groups kept in flight beyond ``prompts_per_step``.
+        carried_kv: after an update, ``keep`` (decode on from the KV of older weights; the
+            importance weights correct the tokens) or ``recompute`` (re-prefill under the new
+            weights, through the prefix cache keyed by version). ``sleep_between_steps``
+            frees the KV, so it implies ``recompute``.
+        max_staleness: a group whose oldest token is more than this many weight versions
+            old at the start of a step is restarted from its prompt.
+    """
+
+    enabled: bool = False
+    over_provision: int = 4
+    carried_kv: str = "keep"
+    max_staleness: int = 1
+
+
+@dataclass(slots=True)
 class RolloutConfig:
     """What the engine samples each step.
 
@@ -61,8 +92,9 @@ class RolloutConfig:
         num_generations: completions per prompt (the GRPO group size).
         max_tokens: most tokens per completion.
         temperature: sampling temperature (the trainer scales its logits by it too).
-        top_p: nucleus sampling; below 1 the engine's log-probs are of the truncated
-            distribution, which the trainer does not reproduce.
+        top_p: nucleus sampling; below 1 the engine returns each token's kept-set threshold
+            and the trainer's log-probs are of the same truncated distribution.
+        top_k: keep the k most likely tokens (0: all); replayed as ``top_p`` is.
         engine: keyword arguments of ``LLM`` (memory, block size, max_num_seqs...).
         sleep_between_steps: free the engine's KV pool while the trainer steps.
         max_turns: for a task with an environment, most model turns per episode
@@ -70,6 +102,7 @@ class RolloutConfig:
         max_total_tokens: for a task with an environment, most tokens per episode (default
             the engine's max_model_len).
         dynamic_sampling: admit prompts in place of groups whose rewards do not spread.
+        partial: carry unfinished groups across steps instead of waiting for them.
     """
 
     prompts_per_step: int = 8
@@ -77,11 +110,13 @@ class RolloutConfig:
     max_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     engine: dict[str, Any] = field(default_factory=dict)
     sleep_between_steps: bool = False
     max_turns: int = 4
     max_total_tokens: int | None = None
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 @dataclass(slots=True)
@@ -104,75 +139,6 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
     micro_batch_size: int = 16
-
-
-@dataclass(slots=True)
-class GRPOLossConfig:
-    """GRPO's loss (the recipe's ``grpo`` section).
-
-    Attributes:
-        epsilon: lower clip range of the ratio (``1 - epsilon``).
-        epsilon_high: upper clip range (``1 + epsilon_high``); None means ``epsilon``.
-        beta: weight of the KL to the reference model (0: no reference model is kept).
-        scale_rewards: divide a group's advantages by its reward std (off in Dr.GRPO).
-        loss_type: ``"grpo"`` (mean over each completion, then over completions),
-            ``"dr_grpo"`` (sum over tokens divided by completions × max_tokens) or
-            ``"token"`` (mean over all tokens of the batch).
-    """
-
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.0
-    scale_rewards: bool = True
-    loss_type: str = "grpo"
-
-
-@dataclass(slots=True)
-class PPOConfig:
-    """PPO's value head, advantages and loss.
-
-    Attributes:
-        gamma: discount.
-        lam: GAE's lambda.
-        kl_coef: per-token KL penalty to the reference model in the reward.
-        cliprange: the ratio's clip range.
-        cliprange_value: the value's clip range around the old value.
-        vf_coef: weight of the value loss.
-        whiten_advantages: normalise advantages over the batch.
-    """
-
-    gamma: float = 1.0
-    lam: float = 0.95
-    kl_coef: float = 0.05
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    whiten_advantages: bool = True
-
-
-IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate",
-                             "sequence_mask", "none")
-
-
-@dataclass(slots=True)
-class ImportanceSamplingConfig:
-    """The off-policy correction of GRPO's and PPO's loss (the recipe's
-    ``importance_sampling`` section; TRL's ``vllm_importance_sampling_*`` shapes): each token's
-    loss is weighted by the ratio of the trainer's probability to the engine's (the
-    behaviour policy's processed log-probs, whatever weight version sampled them).
-
-    Attributes:
-        mode: ``token_truncate`` (each token's ratio, clamped into the range),
-            ``token_mask`` (tokens whose ratio leaves the range get no gradient),
-            ``sequence_truncate`` / ``sequence_mask`` (the same with one ratio per sequence:
-            the product of its tokens'), or ``none``.
-        clip_min: the range's lower end (None: unbounded).
-        clip_max: the range's upper end (None: unbounded).
-    """
-
-    mode: str = "token_truncate"
-    clip_min: float | None = None
-    clip_max: float | None = 2.0
 
 
 @dataclass(slots=True)
@@ -279,7 +245,10 @@ class TrainConfig:
         _one_of("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "token"))
         _one_of("lora.sync_mode", self.lora.sync_mode, ("merge", "runtime"))
         _one_of("logging.wandb_mode", self.logging.wandb_mode, ("offline", "online"))
-        _check_importance_sampling(self.importance_sampling)
+        _one_of("importance_sampling.mode", self.importance_sampling.mode,
+                IMPORTANCE_SAMPLING_MODES)
+        check_importance_sampling(self.importance_sampling)
+        _check_partial(self.rollout.partial, self.sync_alias)
         _one_of("rollout.dynamic_sampling.zero_spread", self.rollout.dynamic_sampling.zero_spread,
                 ("drop", "keep"))
         for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
@@ -379,16 +348,14 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     data[last] = value
 
 
-def _check_importance_sampling(config: ImportanceSamplingConfig) -> None:
-    _one_of("importance_sampling.mode", config.mode, IMPORTANCE_SAMPLING_MODES)
-    low, high = config.clip_min, config.clip_max
-    if (low is not None and low < 0) or (high is not None and high <= 0) or \
-            (low is not None and high is not None and low >= high):
-        raise ValueError(f"importance_sampling.clip_min={low!r}, clip_max={high!r} is not a "
-                         "range: use 0 <= clip_min < clip_max (either may be null).")
-    if config.mode.endswith("mask") and low is None and high is None:
-        raise ValueError(f"importance_sampling.mode={config.mode!r} masks tokens outside "
-                         "[clip_min, clip_max]: set at least one of them.")
+def _check_partial(config: PartialRolloutConfig, sync_alias: bool) -> None:
+    _one_of("rollout.partial.carried_kv", config.carried_kv, ("keep", "recompute"))
+    _at_least("rollout.partial.max_staleness", config.max_staleness, 0)
+    _at_least("rollout.partial.over_provision", config.over_provision, 1)
+    if config.enabled and sync_alias:
+        raise ValueError("rollout.partial with sync_alias=true: an aliased engine serves the "
+                         "trainer's tensors as they change, so paused sequences cannot keep "
+                         "older weights; turn one of them off.")
 
 
 def _get(config: Any, dotted: str) -> Any:

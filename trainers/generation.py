@@ -17,7 +17,7 @@ from tandem.rollout import LLM
 from .config import RolloutConfig
 from .environments import Environment
 from .episodes import Trajectory
-from .groups import CompletionSource, EpisodeSource, Group, collect_groups
+from .groups import CompletionSource, EpisodeSource, Group, GroupCollector
 from .tasks import Example
 
 
@@ -40,6 +40,8 @@ class RolloutBatch:
         per_function: each reward function's values per row.
         loss_masks: per completion token, 1 where the model sampled it (an episode's
             environment tokens are 0); None for single-turn rows (all sampled).
+        sampling_thresholds: per completion token the engine's kept-set threshold when
+            sampling truncated (top-k / top-p); None otherwise.
         metrics: episode counts (turns, tool calls and errors, model and environment
             tokens; empty for single-turn rollouts) and dynamic sampling's counts.
     """
@@ -55,12 +57,23 @@ class RolloutBatch:
     rewards: torch.Tensor
     per_function: dict[str, torch.Tensor]
     loss_masks: list[list[int]] | None = None
+    sampling_thresholds: list[list[float]] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_completion_tokens(self) -> int:
         """Sampled tokens in all."""
         return sum(len(ids) for ids in self.completion_ids)
+
+    def summary(self) -> dict[str, float]:
+        """The step's reward, length and speed figures."""
+        lengths = torch.tensor([len(ids) for ids in self.completion_ids], dtype=torch.float32)
+        return {"reward": float(self.rewards.mean()), "reward_std": float(self.rewards.std()),
+                **{f"rewards/{name}": float(v.mean()) for name, v in self.per_function.items()},
+                "completion_length": float(lengths.mean()),
+                "completion_length_max": float(lengths.max()),
+                "rollout_seconds": self.seconds,
+                "rollout_tok_per_s": self.num_completion_tokens / max(self.seconds, 1e-9)}
 
     @classmethod
     def from_groups(cls, groups: list[Group], seconds: float,
@@ -70,6 +83,7 @@ class RolloutBatch:
                 for row in range(len(group.completion_ids))]
         examples = [group.example for group in groups]
         masks = [group.loss_masks for group in groups]
+        thresholds = [group.sampling_thresholds for group in groups]
         return cls(
             prompts=[group.example["prompt"] for _, group, _ in rows],
             prompt_ids=[group.prompt_ids[row] for _, group, row in rows],
@@ -84,31 +98,53 @@ class RolloutBatch:
             per_function={name: torch.cat([group.per_function[name] for group in groups])
                           for name in groups[0].per_function},
             loss_masks=None if masks[0] is None else [m for mask in masks for m in mask],
+            sampling_thresholds=None if thresholds[0] is None
+            else [row for rows in thresholds for row in rows],
             metrics=metrics)
 
 
-def generate_groups(llm: LLM, tokenizer: PreTrainedTokenizerBase, examples: list[Example],
-                    config: RolloutConfig, seed: int, score: Callable[[Group], None],
-                    extra_example: Callable[[int], Example],
-                    make_environment: Callable[[Example], Environment] | None = None
-                    ) -> RolloutBatch:
-    """Sample ``config.num_generations`` completions (or, with ``make_environment``,
-    episodes) of every example, each group scored by ``score`` as it finishes; with
-    ``config.dynamic_sampling`` more prompts (``extra_example(k)``) are admitted in place of
-    groups whose rewards do not spread (see ``collect_groups``)."""
+def make_collector(llm: LLM, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
+                   seed: int, make_environment: Callable[[Example], Environment] | None = None
+                   ) -> GroupCollector:
+    """A collector of completion groups (or, with ``make_environment``, episode groups),
+    with the rollout's dynamic sampling and partial rollouts."""
     if make_environment is None:
         source = CompletionSource(llm, tokenizer, config, seed)
     else:
         source = EpisodeSource(llm, tokenizer, config, seed, make_environment)
+    return GroupCollector(source, config.dynamic_sampling, config.partial)
+
+
+def generate_groups(llm: LLM, collector: GroupCollector, examples: list[Example],
+                    score: Callable[[Group], None], extra_example: Callable[[int], Example]
+                    ) -> RolloutBatch:
+    """The step's batch: ``examples`` through ``collector``, each group scored by ``score``
+    as it finishes (see ``GroupCollector``); episode counts for episode groups, and the
+    staleness of the trained tokens (weight versions behind the engine's)."""
     prefill_before = llm.stats()["prefill_tokens"]
     start = time.perf_counter()
-    collected = collect_groups(source, examples, extra_example, score, config.dynamic_sampling)
+    collected = collector.collect(examples, extra_example, score)
     seconds = time.perf_counter() - start
     metrics = dict(collected.metrics)
-    if make_environment is not None:
-        metrics.update(episode_metrics([t for g in collected.sampled for t in g.trajectories],
+    trajectories = [t for group in collected.sampled for t in group.trajectories]
+    if trajectories:
+        metrics.update(episode_metrics(trajectories,
                                        llm.stats()["prefill_tokens"] - prefill_before))
+    metrics.update(staleness_metrics(collected.groups, llm.weight_version))
     return RolloutBatch.from_groups(collected.groups, seconds, metrics)
+
+
+def staleness_metrics(groups: list[Group], version: int) -> dict[str, float]:
+    """The share of the groups' sampled tokens 0, 1 and 2 or more weight versions behind
+    ``version`` (all 0 without partial rollouts), and the mean."""
+    behind = torch.tensor([version - v for group in groups for row in group.token_weight_versions
+                           for v in row], dtype=torch.float32)
+    if not len(behind):
+        return {}
+    return {"staleness_mean": float(behind.mean()),
+            "staleness_0": float((behind == 0).float().mean()),
+            "staleness_1": float((behind == 1).float().mean()),
+            "staleness_2_or_more": float((behind >= 2).float().mean())}
 
 
 def episode_metrics(trajectories: list[Trajectory], prefill_tokens: int) -> dict[str, float]:
@@ -145,10 +181,11 @@ def engine_round_metrics(before: dict[str, float], after: dict[str, float]
             "cow_copies": delta("cow_copies"), "preemptions": delta("preemptions")}
 
 
-def timed_sleep(llm: LLM) -> float:
-    """Put the engine to sleep at level 1 (its KV pool freed); returns the seconds it took."""
+def timed_sleep(llm: LLM, preempt: bool = False) -> float:
+    """Put the engine to sleep at level 1 (its KV pool freed; ``preempt``: unfinished
+    requests kept, to recompute on wake-up); returns the seconds it took."""
     start = time.perf_counter()
-    llm.sleep(1)
+    llm.sleep(1, preempt)
     return time.perf_counter() - start
 
 

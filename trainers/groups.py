@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.rollout import LLM, RequestOutput, SamplingParams
 
-from .config import DynamicSamplingConfig, RolloutConfig
+from .config import DynamicSamplingConfig, PartialRolloutConfig, RolloutConfig
 from .environments import Environment
 from .episodes import EpisodeRunner, Trajectory
 from .tasks import Example
@@ -42,6 +42,10 @@ class Group:
             environment tokens).
         loss_masks: per completion token, 1 where the model sampled it; None when all are.
         trajectories: an episode group's trajectories (empty for completions).
+        token_weight_versions: each row's weight version of every sampled token (empty for
+            episodes).
+        sampling_thresholds: each row's kept-set threshold per sampled token when sampling
+            truncated (see ``CompletionOutput``); None otherwise.
         rewards: each row's total reward, once scored.
         per_function: each reward function's values, once scored.
     """
@@ -54,6 +58,8 @@ class Group:
     sampler_logprobs: list[list[float]]
     loss_masks: list[list[int]] | None = None
     trajectories: list[Trajectory] = field(default_factory=list)
+    token_weight_versions: list[list[int]] = field(default_factory=list)
+    sampling_thresholds: list[list[float]] | None = None
     rewards: torch.Tensor | None = None
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -78,6 +84,10 @@ class GroupSource(Protocol):
     def abort(self) -> None:
         """Stop every unfinished group and free its blocks."""
 
+    def restart_stale(self, max_staleness: int) -> int:
+        """Restart from its prompt each unfinished group with a token more than
+        ``max_staleness`` weight versions old; returns how many."""
+
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]
                     ) -> list[int]:
@@ -86,6 +96,13 @@ def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[
         return tokenizer(prompt)["input_ids"]
     return tokenizer.apply_chat_template(prompt, tokenize=True, return_dict=False,
                                          add_generation_prompt=True)
+
+
+def rollout_params(config: RolloutConfig, seed: int) -> SamplingParams:
+    """A group's sampling: ``num_generations`` completions with their processed log-probs."""
+    return SamplingParams(n=config.num_generations, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k, max_tokens=config.max_tokens,
+                          logprobs=0, seed=seed)
 
 
 class CompletionSource:
@@ -103,9 +120,7 @@ class CompletionSource:
         config = self.config
         ids = [f"group-{next(self._request_ids)}" for _ in examples]
         prompts = [tokenize_prompt(self.tokenizer, example["prompt"]) for _, example in examples]
-        params = [SamplingParams(n=config.num_generations, temperature=config.temperature,
-                                 top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
-                                 seed=self.seed + key) for key, _ in examples]
+        params = [rollout_params(config, self.seed + key) for key, _ in examples]
         self.engine.add_requests(ids, prompts, params)
         for request_id, (key, example), prompt in zip(ids, examples, prompts):
             self._started[request_id] = (key, example, prompt)
@@ -124,12 +139,31 @@ class CompletionSource:
             self.engine.abort_request(request_id)
         self._started.clear()
 
+    def restart_stale(self, max_staleness: int) -> int:
+        """Abort and queue again, from its prompt, each unfinished request that holds a token
+        more than ``max_staleness`` versions older than the weights served now."""
+        oldest = self.engine.weight_version - max_staleness
+        stale = [request_id for request_id in self._started
+                 if any(v < oldest for c in self.engine.request_output(request_id).outputs
+                        for v in c.token_weight_versions)]
+        restarted = []
+        for request_id in stale:
+            self.engine.abort_request(request_id)
+            key, example, _ = self._started.pop(request_id)
+            restarted.append((key, example))
+        if restarted:
+            self.start(restarted)
+        return len(restarted)
+
     def _group(self, output: RequestOutput) -> Group:
         key, example, prompt = self._started.pop(output.request_id)
         completions = output.outputs
         return Group(key, example, [prompt] * len(completions),
                      [list(c.token_ids) for c in completions], [c.text for c in completions],
-                     [list(c.logprobs) for c in completions])
+                     [list(c.logprobs) for c in completions],
+                     token_weight_versions=[list(c.token_weight_versions) for c in completions],
+                     sampling_thresholds=None if completions[0].sampling_thresholds is None
+                     else [list(c.sampling_thresholds) for c in completions])
 
 
 class EpisodeSource:
@@ -138,10 +172,8 @@ class EpisodeSource:
 
     def __init__(self, llm: LLM, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  seed: int, make_environment: Callable[[Example], Environment]) -> None:
-        params = SamplingParams(n=config.num_generations, temperature=config.temperature,
-                                top_p=config.top_p, max_tokens=config.max_tokens, logprobs=0,
-                                seed=seed)
-        self.runner = EpisodeRunner(llm.engine, tokenizer, params, config.max_turns,
+        self.runner = EpisodeRunner(llm.engine, tokenizer, rollout_params(config, seed),
+                                    config.max_turns,
                                     config.max_total_tokens)
         self.make_environment = make_environment
         self._examples: dict[int, Example] = {}
@@ -166,6 +198,10 @@ class EpisodeSource:
     def abort(self) -> None:
         """End every unfinished episode and free its blocks."""
         self.runner.abort()
+
+    def restart_stale(self, max_staleness: int) -> int:
+        """Not offered for episodes yet (partial rollouts are refused for them)."""
+        raise NotImplementedError("partial rollouts of episodes are not supported yet.")
 
     def _group(self, key: int, trajectories: list[Trajectory]) -> Group:
         return Group(
@@ -192,52 +228,98 @@ class Collected:
     metrics: dict[str, float]
 
 
-def collect_groups(source: GroupSource, examples: list[Example],
-                   extra_example: Callable[[int], Example], score: Callable[[Group], None],
-                   dynamic: DynamicSamplingConfig) -> Collected:
-    """Run ``examples`` as groups, scoring each with ``score`` as it finishes.
+class GroupCollector:
+    """Collects each step's groups from one source, scoring each as it finishes.
 
-    Without dynamic sampling every group is kept. With it, each group whose rewards do not
-    spread is answered by admitting ``extra_example(k)`` (the ``k``-th extra prompt of the
-    step) until ``len(examples)`` groups spread, at most ``dynamic.max_extra_prompts``
-    extras. ``zero_spread="drop"`` trains on the spread groups (topped up with zero-spread
-    ones when the cap was reached, so the batch keeps its size); ``"keep"`` on all.
+    Without dynamic sampling or partial rollouts a step runs all its groups to their end
+    (the synchronous step). ``dynamic`` answers each group whose rewards do not spread by
+    admitting one more prompt (``extra_example(k)``, the ``k``-th extra of the step) until
+    the step's count of spread groups is complete, at most ``max_extra_prompts`` extras;
+    ``zero_spread="drop"`` trains on the spread groups (topped up with flat ones at the cap,
+    so the batch keeps its size), ``"keep"`` on all. With ``partial`` the first step admits
+    ``over_provision`` extra groups, and a step ends as soon as it has its groups: the
+    unfinished ones stay in the engine, paused with their KV, and go on in the next step
+    (older ones first), as do groups that finished beyond the step's count.
     """
-    needed = len(examples)
-    source.start(list(enumerate(examples)))
-    sampled: list[Group] = []
-    extras = 0
-    try:
-        while source.has_unfinished_groups():
-            for group in source.poll():
-                score(group)
-                sampled.append(group)
-                if dynamic.enabled and not group.has_spread and extras < dynamic.max_extra_prompts:
-                    source.start([(needed + extras, extra_example(extras))])
-                    extras += 1
-    except BaseException:
-        source.abort()
-        raise
-    return _choose(sampled, needed, dynamic, extras)
 
+    def __init__(self, source: GroupSource, dynamic: DynamicSamplingConfig,
+                 partial: PartialRolloutConfig | None = None) -> None:
+        self.source, self.dynamic = source, dynamic
+        self.partial = partial if partial is not None and partial.enabled else None
+        self._keys = itertools.count()
+        self._carried: list[Group] = []  # finished, not yet trained
+        self._started = False
 
-def _choose(sampled: list[Group], needed: int, dynamic: DynamicSamplingConfig,
-            extras: int) -> Collected:
-    """The groups to train on, and the dynamic-sampling metrics."""
-    sampled.sort(key=lambda group: group.key)
-    if not dynamic.enabled:
-        return Collected(sampled, sampled, {})
-    spread = [group for group in sampled if group.has_spread]
-    if dynamic.zero_spread == "keep":
-        kept = sampled
-    else:
-        flat = [group for group in sampled if not group.has_spread]
-        kept = sorted(spread + flat[:max(needed - len(spread), 0)], key=lambda g: g.key)
-    zero = sum(not group.has_spread for group in kept)
-    return Collected(kept, sampled, {
-        "groups_sampled": float(len(sampled)), "groups_kept": float(len(kept)),
-        "groups_dropped": float(len(sampled) - len(kept)),
-        "groups_zero_spread_kept": float(zero),
-        "prompts_per_kept_group": len(sampled) / max(len(kept), 1),
-        "dynamic_sampling_cap_reached": float(len(spread) < needed
-                                              and extras >= dynamic.max_extra_prompts)})
+    def collect(self, examples: list[Example], extra_example: Callable[[int], Example],
+                score: Callable[[Group], None]) -> Collected:
+        """The step's groups to train on (``len(examples)`` of them, in key order)."""
+        needed = len(examples)
+        first = [] if self._started or self.partial is None else \
+            [extra_example(k) for k in range(self.partial.over_provision)]
+        extras, self._started = len(first), True
+        restarted = 0 if self.partial is None else \
+            self.source.restart_stale(self.partial.max_staleness)
+        self.source.start([(next(self._keys), example) for example in [*examples, *first]])
+        sampled, self._carried = self._carried, []
+        try:
+            while self.source.has_unfinished_groups() and not self._enough(sampled, needed):
+                for group in self.source.poll():
+                    score(group)
+                    sampled.append(group)
+                    if self._replaces(group, extras):
+                        self.source.start([(next(self._keys), extra_example(extras))])
+                        extras += 1
+        except BaseException:
+            self.drop_carried()
+            raise
+        collected = self._choose(sampled, needed, extras)
+        if self.partial is not None:
+            collected.metrics["partial_restarted_groups"] = float(restarted)
+        return collected
+
+    def drop_carried(self) -> None:
+        """Abort every unfinished group and forget finished ones (at a checkpoint)."""
+        self.source.abort()
+        self._carried = []
+
+    def _replaces(self, group: Group, extras: int) -> bool:
+        return (self.dynamic.enabled and not group.has_spread
+                and extras < self.dynamic.max_extra_prompts)
+
+    def _enough(self, sampled: list[Group], needed: int) -> bool:
+        """With partial rollouts, True once the step has its groups."""
+        if self.partial is None:
+            return False
+        counted = [g for g in sampled if g.has_spread or not self.dynamic.enabled]
+        return len(counted) >= needed
+
+    def _choose(self, sampled: list[Group], needed: int, extras: int) -> Collected:
+        """The groups to train on (the rest carried, with partial rollouts), and the counts:
+        the share of trained groups whose rewards do not spread always, dynamic sampling's
+        own when it is on."""
+        dynamic = self.dynamic
+        sampled.sort(key=lambda group: group.key)
+        spread = [group for group in sampled if group.has_spread]
+        if not dynamic.enabled or dynamic.zero_spread == "keep":
+            kept = sampled
+        else:
+            flat = [group for group in sampled if not group.has_spread]
+            kept = sorted(spread[:needed] + flat[:max(needed - len(spread), 0)],
+                          key=lambda g: g.key)
+        if self.partial is not None:
+            kept = kept[:needed]
+            trained = {id(group) for group in kept}
+            self._carried = [group for group in sampled if id(group) not in trained]
+            if dynamic.enabled and dynamic.zero_spread == "drop":
+                self._carried = [group for group in self._carried if group.has_spread]
+        zero = sum(not group.has_spread for group in kept)
+        metrics = {"zero_spread_group_fraction": zero / max(len(kept), 1)}
+        if dynamic.enabled:
+            metrics.update({
+                "groups_sampled": float(len(sampled)), "groups_kept": float(len(kept)),
+                "groups_dropped": float(len(sampled) - len(kept) - len(self._carried)),
+                "groups_zero_spread_kept": float(zero),
+                "prompts_per_kept_group": len(sampled) / max(len(kept), 1),
+                "dynamic_sampling_cap_reached": float(len(spread) < needed
+                                                      and extras >= dynamic.max_extra_prompts)})
+        return Collected(kept, sampled, metrics)

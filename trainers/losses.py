@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .config import ImportanceSamplingConfig
+from .loss_config import ImportanceSamplingConfig
 
 
 def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,

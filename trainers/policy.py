@@ -12,6 +12,53 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.rollout.sampler import apply_top_k, apply_top_p
+
+
+@dataclass(slots=True)
+class SamplingReplay:
+    """What the engine's truncated sampling kept, to rebuild its distribution exactly.
+
+    Attributes:
+        thresholds: ``[B, C]`` per completion slot the engine's kept-set threshold (the
+            logit after temperature halfway between its last kept and first dropped token;
+            -inf where nothing was dropped).
+        top_k: the rollout's top-k (0: off), to count where the trainer's own set differs.
+        top_p: the rollout's top-p (1: off), the same.
+    """
+
+    thresholds: torch.Tensor
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def from_rows(cls, thresholds: list[list[float]], width: int, top_k: int, top_p: float,
+                  device: torch.device) -> SamplingReplay:
+        """The replay of per-row thresholds, padded to ``width`` slots with -inf."""
+        return cls(pad_rows(thresholds, width, float("-inf"), torch.float32).to(device),
+                   top_k, top_p)
+
+    def rows(self, rows: slice) -> SamplingReplay:
+        """The replay of rows ``rows``."""
+        return SamplingReplay(self.thresholds[rows], self.top_k, self.top_p)
+
+    def kept(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, C, V]`` the engine's kept set, rebuilt on ``logits`` (after temperature):
+        every token at or above the threshold, and always the sampled one."""
+        kept = logits >= self.thresholds.unsqueeze(-1)
+        return kept.scatter(-1, token_ids.unsqueeze(-1), True)
+
+    def own_set_differs(self, logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """``[B, C]`` 1 where the trainer's own top-k / top-p set on ``logits`` is not the
+        engine's (float noise moved a token across the boundary)."""
+        rows = logits.detach().reshape(-1, logits.shape[-1])
+        if self.top_k:
+            rows = apply_top_k(rows, [self.top_k] * rows.shape[0])
+        if self.top_p < 1.0:
+            rows = apply_top_p(rows, rows.new_full((rows.shape[0],), self.top_p))
+        own = torch.isfinite(rows).reshape(kept.shape)
+        return (own != kept).any(dim=-1).float()
+
 
 @dataclass(slots=True)
 class TokenBatch:
@@ -24,6 +71,7 @@ class TokenBatch:
         position_ids: ``[B, P + C]``, the index of each token within its row's real tokens.
         completion_ids: ``[B, C]``.
         completion_mask: ``[B, C]``, 1 on real completion tokens.
+        replay: the engine's truncation per slot (None when sampling did not truncate).
     """
 
     input_ids: torch.Tensor
@@ -31,6 +79,7 @@ class TokenBatch:
     position_ids: torch.Tensor
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
+    replay: SamplingReplay | None = None
 
     @property
     def num_completion_slots(self) -> int:
@@ -41,7 +90,8 @@ class TokenBatch:
         """The batch of rows ``rows`` (same padding)."""
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows],
                           self.position_ids[rows], self.completion_ids[rows],
-                          self.completion_mask[rows])
+                          self.completion_mask[rows],
+                          None if self.replay is None else self.replay.rows(rows))
 
 
 def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float,
@@ -75,9 +125,11 @@ def token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pa
 
 def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
                         value_head: nn.Module | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token log-probs ``[B, C]`` of the completion tokens under ``softmax(logits / T)``,
-    in float32, and the value head's ``[B, C]`` values (state before each token) when given.
+    in float32 (renormalised over the engine's kept set when ``batch.replay`` says sampling
+    truncated), the value head's ``[B, C]`` values (state before each token) when given,
+    and with a replay, ``[B, C]`` 1 where the trainer's own truncated set would differ.
 
     Only the last ``C + 1`` positions go through the LM head.
     """
@@ -88,12 +140,18 @@ def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
     logits = output.logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
+    differs = None
+    if batch.replay is not None:
+        kept = batch.replay.kept(logits.detach(), batch.completion_ids)
+        differs = batch.replay.own_set_differs(logits, kept)
+        logits = logits.masked_fill(~kept, float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)
     token_logprobs = logprobs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     if value_head is None:
-        return token_logprobs, None
+        return token_logprobs, None, differs
     hidden = output.hidden_states[-1][:, -(width + 1):-1]
-    return token_logprobs, value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()
+    values = value_head(hidden.to(value_head.weight.dtype)).squeeze(-1).float()
+    return token_logprobs, values, differs
 
 
 class ValueHead(nn.Linear):
@@ -115,6 +173,6 @@ class Policy(nn.Module):
         self.value_head = value_head
 
     def forward(self, batch: TokenBatch, temperature: float
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``completion_logprobs`` of this policy (values too when it has a value head)."""
         return completion_logprobs(self.model, batch, temperature, self.value_head)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -28,6 +28,7 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
+from .checkpoints import save_policy
 from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
@@ -40,12 +41,14 @@ from .generation import (
     RolloutBatch,
     engine_round_metrics,
     generate_groups,
+    make_collector,
     timed_sleep,
     timed_wake,
 )
 from .groups import Group
 from .logger import MetricsLogger
-from .policy import Policy, TokenBatch, ValueHead, pad_rows, token_batch
+from .losses import masked_mean
+from .policy import Policy, SamplingReplay, TokenBatch, ValueHead, pad_rows, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
 from .tasks import Example, Task, build_task
 
@@ -89,6 +92,13 @@ class Trainer:
                                                **config.rollout.engine,
                                                "device": str(self.context.device)})
         self.lora_sync = self._build_lora_sync()
+        self.partial = None  # the collector that carries groups across steps
+        if config.rollout.partial.enabled:
+            if self.task.environment is not None:
+                raise ValueError("rollout.partial is not supported for multi-turn tasks yet "
+                                 "(episodes are not carried across steps): turn it off.")
+            self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
+                                          self._rollout_seed(1))
         self.step = 0
         if config.resume_from:
             self._resume(Path(config.resume_from))
@@ -186,10 +196,13 @@ class Trainer:
         stats_before = self.llm.stats()
         batch = self._rollouts(self._examples(self.step), self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
-        sleep_seconds = timed_sleep(self.llm) if self.config.rollout.sleep_between_steps else 0.0
+        sleep_seconds = timed_sleep(self.llm, preempt=self.partial is not None) \
+            if self.config.rollout.sleep_between_steps else 0.0
         metrics = self._optimize(batch, batch.rewards)
         metrics["sync_seconds"] = self.sync_weights()
-        metrics.update(_rollout_metrics(batch), **engine_metrics, **batch.metrics)
+        if self.partial is not None and self.config.rollout.partial.carried_kv == "recompute":
+            self.llm.engine.recompute_unfinished()
+        metrics.update(batch.summary(), **engine_metrics, **batch.metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
                        weight_version=float(self.llm.weight_version),
                        lr=self.scheduler.get_last_lr()[0])
@@ -198,10 +211,14 @@ class Trainer:
     def _rollouts(self, examples: list[Example], seed: int,
                   rollout: RolloutConfig | None = None) -> RolloutBatch:
         """Completions, or for a task with an environment, multi-turn episodes; each group
-        scored as it finishes."""
-        return generate_groups(self.llm, self.tokenizer, examples, rollout or self.config.rollout,
-                               seed, self._score_group, self._extra_example,
-                               self.task.environment)
+        scored as it finishes (with partial rollouts, by the collector that carries the
+        unfinished ones from step to step)."""
+        collector = self.partial if rollout is None else None
+        if collector is None:
+            collector = make_collector(self.llm, self.tokenizer, rollout or self.config.rollout,
+                                       seed, self.task.environment)
+        return generate_groups(self.llm, collector, examples, self._score_group,
+                               self._extra_example)
 
     def _examples(self, step: int) -> list[Example]:
         per_step, rank, world = (self.config.rollout.prompts_per_step, self.context.rank,
@@ -237,6 +254,10 @@ class Trainer:
                                    torch.float32).to(device)
         sampler_logprobs = pad_rows(batch.sampler_logprobs, tokens.num_completion_slots, 0.0,
                                     torch.float32).to(device)
+        if batch.sampling_thresholds is not None:  # the engine truncated: replay its sets
+            tokens.replay = SamplingReplay.from_rows(
+                batch.sampling_thresholds, tokens.num_completion_slots,
+                self.config.rollout.top_k, self.config.rollout.top_p, device)
         targets = self.algorithm.prepare(
             rewards.to(device), batch.group_ids.to(device), mask,
             lambda values, reference: self._score(tokens, values, reference))
@@ -247,11 +268,13 @@ class Trainer:
         for index, rows in enumerate(slices):
             set_gradient_sync(self.model, index == len(slices) - 1)
             with self._autocast():
-                logprobs, values = self.model(tokens.rows(rows),
-                                              self.config.rollout.temperature)
+                logprobs, values, differs = self.model(tokens.rows(rows),
+                                                       self.config.rollout.temperature)
             micro = MicroBatch(rows, logprobs, values, sampler_logprobs[rows], mask[rows],
                                num_rows, num_tokens, self.config.rollout.max_tokens)
             loss, micro_metrics = self.algorithm.loss(micro, targets)
+            if differs is not None:
+                micro_metrics["sampling_set_differs_fraction"] = masked_mean(differs, mask[rows])
             loss.backward()
             losses.append(loss.detach())
             parts.append(micro_metrics)
@@ -274,8 +297,8 @@ class Trainer:
         with self.policy.model.disable_adapter() if adapter_off else nullcontext(), \
                 self._autocast():
             for rows in self._micro_batches(tokens.input_ids.shape[0]):
-                micro_logprobs, micro_values = model(tokens.rows(rows),
-                                                     self.config.rollout.temperature)
+                micro_logprobs, micro_values, _ = model(tokens.rows(rows),
+                                                        self.config.rollout.temperature)
                 logprobs.append(micro_logprobs)
                 values.append(micro_values)
         return torch.cat(logprobs), torch.cat(values) if with_values else None
@@ -329,12 +352,16 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write ``output_dir/checkpoint-STEP``: the model as a Hugging Face folder (or the
-        adapter), the value head, and per rank the optimizer, schedule and RNG state."""
+        adapter), the value head, and per rank the optimizer, schedule and RNG state.
+        Groups carried by partial rollouts are dropped here (a step boundary)."""
+        if self.partial is not None:
+            self.partial.drop_carried()
         path = self.output_dir / f"checkpoint-{self.step}"
         weights = dict(full_named_parameters(self.policy))
         if self.context.is_main:
             path.mkdir(parents=True, exist_ok=True)
-            self._save_model(path, weights)
+            save_policy(path, self.policy.model, weights, self.tokenizer,
+                        self.config.lora.enabled)
             (path / "trainer_state.json").write_text(json.dumps(
                 {"step": self.step, "config": to_dict(self.config)}, indent=1, default=str))
         _barrier(self.context)
@@ -344,21 +371,6 @@ class Trainer:
                    path / f"optimizer-rank{self.context.rank}.pt")
         return path
 
-    def _save_model(self, path: Path, weights: dict[str, torch.Tensor]) -> None:
-        model = self.policy.model
-        if self.config.lora.enabled:
-            model.save_pretrained(path)
-        else:
-            save_file({name.removeprefix("model."): tensor.contiguous()
-                       for name, tensor in weights.items() if name.startswith("model.")},
-                      path / "model.safetensors", metadata={"format": "pt"})
-            model.config.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-        value_head = {name.removeprefix("value_head."): tensor
-                      for name, tensor in weights.items() if name.startswith("value_head.")}
-        if value_head:
-            save_file(value_head, path / "value_head.safetensors")
-
     def _resume(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
         self.step = state["step"]
@@ -367,16 +379,6 @@ class Trainer:
         self.optimizer.load_state_dict(trainer_state["optimizer"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         torch.set_rng_state(trainer_state["rng"])
-
-
-def _rollout_metrics(batch: RolloutBatch) -> dict[str, float]:
-    lengths = torch.tensor([len(ids) for ids in batch.completion_ids], dtype=torch.float32)
-    return {"reward": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
-            **{f"rewards/{name}": float(v.mean()) for name, v in batch.per_function.items()},
-            "completion_length": float(lengths.mean()),
-            "completion_length_max": float(lengths.max()),
-            "rollout_seconds": batch.seconds,
-            "rollout_tok_per_s": batch.num_completion_tokens / max(batch.seconds, 1e-9)}
 
 
 def _combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:

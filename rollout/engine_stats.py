@@ -1,0 +1,43 @@
+"""The engine's counters, as ``LLMEngine.stats()`` returns them (the server's ``/metrics``
+and the trainers' round metrics read them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .engine import LLMEngine
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, int | float]:
+    """The engine's counters.
+
+    Memory held (and, when sized from a device share, the plan's parts as ``memory_*``), the
+    decode graphs (how many, the seconds and device bytes their last capture took), KV pool
+    use (``kv_blocks_used_peak``: the most blocks held at once since the engine was last
+    idle), queue lengths, weight version, prefix-cache hits, copy-on-write copies,
+    preemptions, prefill tokens computed (since the pool was made) and held sequences.
+    """
+    block_manager = engine.block_manager
+    plan = engine.memory_plan.as_stats() if engine.memory_plan else {}
+    return plan | {
+        "sleep_level": engine.sleep_level,
+        "weight_bytes": engine.runner.weight_bytes(),
+        "kv_cache_bytes": engine.runner.kv_cache_bytes(),
+        "num_decode_graphs": len(engine.runner.graphs.graphs) if engine.runner.graphs else 0,
+        "graph_capture_seconds": engine.runner.graph_capture_seconds,
+        "graph_bytes": engine.runner.graph_bytes,
+        "kv_blocks_total": block_manager.num_blocks,
+        "kv_blocks_used": block_manager.num_used_blocks,
+        "kv_blocks_used_peak": engine.kv_blocks_used_peak,
+        "kv_blocks_cached_free": block_manager.num_cached_free_blocks,
+        "num_running": len(engine.scheduler.running),
+        "num_waiting": len(engine.scheduler.waiting),
+        "weight_version": engine.weight_version,
+        "prefix_cache_queried_tokens": block_manager.num_queried_tokens,
+        "prefix_cache_hit_tokens": block_manager.num_hit_tokens,
+        "cow_copies": block_manager.num_cow_copies,
+        "preemptions": engine.scheduler.num_preemptions,
+        "prefill_tokens": engine.scheduler.num_prefill_tokens,
+        "held_sequences": len(engine.held),
+    }
