@@ -16,7 +16,8 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float]:
     decode graphs (how many, the seconds and device bytes their last capture took), KV pool
     use (``kv_blocks_used_peak``: the most blocks held at once since the engine was last
     idle), queue lengths, weight version, prefix-cache hits, copy-on-write copies,
-    preemptions, prefill tokens computed (since the pool was made) and held sequences.
+    preemptions, prefill tokens computed, decode steps and the sequences they decoded (since
+    the pool was made) and held sequences.
     """
     block_manager = engine.block_manager
     plan = engine.memory_plan.as_stats() if engine.memory_plan else {}
@@ -39,5 +40,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, int | float]:
         "cow_copies": block_manager.num_cow_copies,
         "preemptions": engine.scheduler.num_preemptions,
         "prefill_tokens": engine.scheduler.num_prefill_tokens,
+        "decode_steps": engine.scheduler.num_decode_steps,
+        "decoded_seqs": engine.scheduler.num_decoded_seqs,
         "held_sequences": len(engine.held),
     }

@@ -111,6 +111,8 @@ class Scheduler:
         self.group_decodes = group_decodes
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
+        self.num_decode_steps = 0  # steps that decoded, and the sequences they decoded
+        self.num_decoded_seqs = 0
         self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
@@ -127,6 +129,8 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING and self._schedule_decode(batch, seq):
                 budget -= 1  # (not RUNNING: preempted earlier in this loop for an older one)
         batch.num_decodes = len(batch.seqs)
+        self.num_decode_steps += bool(batch.num_decodes)
+        self.num_decoded_seqs += batch.num_decodes
         if self.group_decodes:
             batch.decode_groups = self._decode_groups(batch.seqs)
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
