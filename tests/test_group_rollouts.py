@@ -217,6 +217,9 @@ def test_partial_rollouts_carry_unfinished_groups_through_an_update(llama_dir, t
     assert set(versions) == {0, 1}  # carried tokens of version 0, then version 1
     collector.drop_carried()
     assert not llm.engine.has_unfinished_requests() and llm.stats()["kv_blocks_used"] == 0
+    collector.collect(examples("ss", start=90), lambda k: next(extras), spread_by_example())
+    assert llm.engine.has_unfinished_requests()  # after a checkpoint it over-provisions again
+    collector.drop_carried()
 
 
 def test_a_group_older_than_max_staleness_restarts_from_its_prompt(llama_dir, tokenizer):

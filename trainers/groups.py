@@ -281,6 +281,7 @@ class GroupCollector:
         """Abort every unfinished group and forget finished ones (at a checkpoint)."""
         self.source.abort()
         self._carried = []
+        self._started = False  # the next step over-provisions again
 
     def _replaces(self, group: Group, extras: int) -> bool:
         return (self.dynamic.enabled and not group.has_spread

@@ -210,9 +210,8 @@ class Trainer:
 
     def _rollouts(self, examples: list[Example], seed: int,
                   rollout: RolloutConfig | None = None) -> RolloutBatch:
-        """Completions, or for a task with an environment, multi-turn episodes; each group
-        scored as it finishes (with partial rollouts, by the collector that carries the
-        unfinished ones from step to step)."""
+        """Completions, or for a task with an environment, episodes; each group scored as it
+        finishes (with partial rollouts, by the collector carried from step to step)."""
         collector = self.partial if rollout is None else None
         if collector is None:
             collector = make_collector(self.llm, self.tokenizer, rollout or self.config.rollout,
@@ -228,9 +227,10 @@ class Trainer:
                 for i in range(rank, per_step, world)]
 
     def _extra_example(self, extra: int) -> Example:
-        """Dynamic sampling's ``extra``-th extra prompt of this step: a stream of its own
-        (negative indices), disjoint per step and rank from the steps' prompts."""
-        per_step = self.config.rollout.dynamic_sampling.max_extra_prompts
+        """The step's ``extra``-th extra prompt (dynamic sampling's, partial rollouts'): a
+        stream of its own (negative indices), disjoint per step and rank from the steps'."""
+        partial, dynamic = self.config.rollout.partial, self.config.rollout.dynamic_sampling
+        per_step = dynamic.max_extra_prompts + partial.over_provision * partial.enabled
         slot = (self.step - 1) * self.context.world_size + self.context.rank
         return self.task.train_example(self.config.seed, -1 - (slot * per_step + extra))
 
