@@ -152,3 +152,15 @@ def floor_seconds(model: torch.nn.Module, steps: list[tuple[int, int]]) -> tuple
         steps_seconds(weights, steps)
         seconds, _, others_cpu = timed(lambda: steps_seconds(weights, steps))
     return seconds, others_cpu
+
+
+def timed_steps(trainer, steps: int) -> list[dict[str, float]]:
+    """Run ``steps`` training steps of a ``Trainer``; each step's metrics, with its wall
+    seconds as ``step_seconds``."""
+    history = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        metrics = trainer.train_step()
+        metrics["step_seconds"] = time.perf_counter() - start
+        history.append(metrics)
+    return history

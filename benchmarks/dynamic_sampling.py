@@ -16,10 +16,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from common import print_table, setup_torch
+from common import print_table, setup_torch, timed_steps
 
 from tandem.trainers.config import load_config
 from tandem.trainers.trainer import Trainer
@@ -34,14 +33,7 @@ def run(steps: int, overrides: list[str]) -> list[dict[str, float]]:
                                         "logging.progress_bar=false",
                                         "logging.console_every=0",
                                         f"output_dir={output_dir}", *overrides])
-        trainer = Trainer(config)
-        history = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            metrics = trainer.train_step()
-            metrics["step_seconds"] = time.perf_counter() - start
-            history.append(metrics)
-        return history
+        return timed_steps(Trainer(config), steps)
 
 
 def row(name: str, history: list[dict[str, float]], groups: int) -> tuple[str, ...]:

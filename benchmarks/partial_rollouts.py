@@ -21,9 +21,8 @@ import argparse
 import random
 import statistics
 import tempfile
-import time
 
-from common import print_table, setup_torch
+from common import print_table, setup_torch, timed_steps
 
 from tandem.trainers.config import load_config
 from tandem.trainers.tasks import Task, correct_reward
@@ -57,13 +56,7 @@ def run(steps: int, overrides: list[str]) -> tuple[list[dict[str, float]], dict[
             "rollout.engine.kv_cache_memory_bytes=536870912", "logging.wandb=false",
             "logging.progress_bar=false", "logging.console_every=0", *overrides])
         trainer = Trainer(config, task=TASK)
-        history = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            metrics = trainer.train_step()
-            metrics["step_seconds"] = time.perf_counter() - start
-            history.append(metrics)
-        return history, trainer.llm.stats()
+        return timed_steps(trainer, steps), trainer.llm.stats()
 
 
 def row(name: str, history: list[dict[str, float]], stats: dict[str, float]
