@@ -94,18 +94,21 @@ class LLM:
 
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Apply the chat template to each conversation and generate from its token ids.
 
         The template supplies the special tokens (nothing is added on top). A conversation
-        is a list of ``{"role": ..., "content": ...}`` messages.
+        is a list of ``{"role": ..., "content": ...}`` messages; ``tools`` (OpenAI's
+        function dicts) are rendered by the template for every conversation.
 
         Raises:
-            ValueError: when the model has no tokenizer or chat template.
+            ValueError: when the model has no tokenizer or chat template, or the template
+                ignores ``tools``.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.apply_chat_template(c, add_generation_prompt)
+        prompts = [self.engine.apply_chat_template(c, add_generation_prompt, tools)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 

@@ -13,7 +13,8 @@ import openai
 import pytest
 from transformers.utils import get_json_schema
 
-from tandem.rollout import LLMEngine
+from tandem.rollout import LLM, LLMEngine, SamplingParams
+from tandem.rollout.tool_calls import parse_tool_calls
 
 from .test_server import MODEL, openai_client, running_server, wait_until_idle
 from .tool_model import ANSWER, CALL_TEXT, QUESTION, conversation, multiply
@@ -135,3 +136,12 @@ def test_bad_tool_requests_are_refused_and_leak_nothing(served, options, message
     assert ask(served, FIRST_TURN).choices[0].finish_reason == "tool_calls"
     wait_until_idle(served[1])
     assert served[1].stats()["kv_blocks_used"] == 0
+
+
+def test_offline_chat_renders_tools_as_the_server_does(served, tool_model_dir):
+    _, engine = served
+    llm = LLM(str(tool_model_dir), **ENGINE_OPTIONS)
+    output = llm.chat(FIRST_TURN, SamplingParams(temperature=0, max_tokens=100), tools=TOOLS,
+                      use_tqdm=False)[0]
+    assert output.prompt_token_ids == engine.apply_chat_template(FIRST_TURN, True, TOOLS)
+    assert parse_tool_calls(output.outputs[0].text).tool_calls[0].name == "multiply"
