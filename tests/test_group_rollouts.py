@@ -280,3 +280,39 @@ def test_partial_training_steps_log_staleness_and_leave_the_pool_empty(llama_dir
                for m in history)
     assert not trainer.llm.engine.has_unfinished_requests()
     assert trainer.llm.stats()["kv_blocks_used"] == 0
+
+
+def test_partial_rollouts_carry_episode_groups_and_restart_stale_ones(llama_dir, tokenizer):
+    llm = LLM(str(llama_dir), **ENGINE)
+    source = make_source("episodes", llm, tokenizer)
+    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=0)
+    collector = GroupCollector(source, DynamicSamplingConfig(), partial)
+    extras = iter(examples("ssss", start=50)[2:] + examples("ss", start=70))
+    first = collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
+    assert len(first.groups) == 2 and source.has_unfinished_groups()
+    llm.update_weights(same_weights(llm))
+    second = collector.collect(examples("ss", start=60), lambda k: next(extras),
+                               spread_by_example())
+    assert second.metrics["partial_restarted_groups"] >= 1 and len(second.groups) == 2
+    finished_before = {group.key for group in first.sampled}
+    for group in second.groups:  # unfinished at the update: restarted if they held v0
+        if group.key not in finished_before:
+            assert {v for row in group.token_weight_versions for v in row} == {1}
+    collector.drop_carried()
+    assert not source.has_unfinished_groups() and llm.stats()["kv_blocks_used"] == 0
+    assert llm.stats()["held_sequences"] == 0
+
+
+def test_partial_training_on_episodes_ends_with_nothing_held(llama_dir, tmp_path):
+    task = Task(lambda seed, index: {"prompt": "Count: " + "one two " * (index % 5)}, [],
+                {"even": first_token_even}, [("even", 1.0)], lambda example: Echo())
+    config = TrainConfig(
+        model=str(llama_dir), steps=2, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=2, num_generations=2, max_tokens=4, max_turns=2,
+                              engine=ENGINE, partial=PartialRolloutConfig(enabled=True)),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    trainer = Trainer(config, task=task)
+    history = trainer.train()["history"]
+    assert all("staleness_mean" in m and m["episode_turns"] >= 1 for m in history)
+    stats = trainer.llm.stats()
+    assert stats["kv_blocks_used"] == 0 and stats["held_sequences"] == 0

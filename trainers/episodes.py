@@ -105,6 +105,7 @@ class Trajectory:
         token_ids: prompt, model turn 1, environment 1, model turn 2, ...
         loss_mask: 1 for each token the model sampled, 0 for prompt and environment tokens.
         logprobs: the engine's processed log-prob of each sampled token, in order.
+        weight_versions: the weight version each sampled token was sampled under.
         num_prompt_tokens: the first prompt's length.
         num_prompt_messages: how many of ``messages`` the environment's reset gave.
         num_turns: model turns.
@@ -120,6 +121,7 @@ class Trajectory:
     token_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_prompt_messages: int = 0
     num_turns: int = 0
@@ -221,17 +223,42 @@ class EpisodeRunner:
 
     def abort(self) -> None:
         """End every unfinished episode now and free every block they hold."""
-        for request_id in list(self._in_engine):
+        for key in list(self._groups):
+            self._drop_group(key)
+
+    def stale_groups(self, oldest_version: int) -> list[int]:
+        """The keys of unfinished groups holding a sampled token (finished turns, or the
+        running turn so far) of a weight version below ``oldest_version``."""
+        running = {id(e): out for request_id, episodes in self._in_engine.items()
+                   for e, out in zip(episodes, self.engine.request_output(request_id).outputs)}
+        def stale(episode: _Episode) -> bool:
+            versions = list(episode.trajectory.weight_versions)
+            if id(episode) in running:
+                versions += running[id(episode)].token_weight_versions
+            return any(v < oldest_version for v in versions)
+        return [key for key, group in self._groups.items() if any(map(stale, group))]
+
+    def restart(self, key: int, example: Example,
+                make_environment: Callable[[Example], Environment]) -> None:
+        """Drop group ``key`` (its turns, held KV and pending environment steps) and begin
+        it again from ``example``'s first prompt with new environments."""
+        self._drop_group(key)
+        self.start([(key, example)], make_environment)
+
+    def _drop_group(self, key: int) -> None:
+        group = self._groups.pop(key)
+        members = {id(e) for e in group}
+        for request_id in [r for r, eps in self._in_engine.items() if id(eps[0]) in members]:
             self.engine.abort_request(request_id)
-        self._in_engine.clear()
-        self._pending.clear()  # an environment still running answers no one
-        for episode in (e for group in self._groups.values() for e in group):
+            del self._in_engine[request_id]
+        for future in [f for f, e in self._pending.items() if id(e) in members]:
+            del self._pending[future]  # an environment still running answers no one
+        for episode in group:
             if episode.trajectory.finish_reason is None and episode.request_id:
                 try:
                     self.engine.release(episode.request_id, episode.index)
                 except ValueError:
-                    pass  # not held (its turn was aborted above)
-        self._groups.clear()
+                    pass  # not held (its turn was aborted above, or is queued)
 
     def _new_episode(self, number: int, example: Example,
                      make_environment: Callable[[Example], Environment]) -> _Episode:
@@ -267,6 +294,7 @@ class EpisodeRunner:
             trajectory.token_ids += completion.token_ids
             trajectory.loss_mask += [1] * len(completion.token_ids)
             trajectory.logprobs += completion.logprobs
+            trajectory.weight_versions += completion.token_weight_versions
             trajectory.num_turns += 1
             trajectory.messages.append(message)
             self.events.append(("turn", episode.number))

@@ -42,8 +42,7 @@ class Group:
             environment tokens).
         loss_masks: per completion token, 1 where the model sampled it; None when all are.
         trajectories: an episode group's trajectories (empty for completions).
-        token_weight_versions: each row's weight version of every sampled token (empty for
-            episodes).
+        token_weight_versions: each row's weight version of every sampled token.
         sampling_thresholds: each row's kept-set threshold per sampled token when sampling
             truncated (see ``CompletionOutput``); None otherwise.
         rewards: each row's total reward, once scored.
@@ -200,8 +199,12 @@ class EpisodeSource:
         self.runner.abort()
 
     def restart_stale(self, max_staleness: int) -> int:
-        """Not offered for episodes yet (partial rollouts are refused for them)."""
-        raise NotImplementedError("partial rollouts of episodes are not supported yet.")
+        """Restart from its first prompt each unfinished group with an episode holding a
+        token more than ``max_staleness`` versions old; returns how many."""
+        stale = self.runner.stale_groups(self.runner.engine.weight_version - max_staleness)
+        for key in stale:
+            self.runner.restart(key, self._examples[key], self.make_environment)
+        return len(stale)
 
     def _group(self, key: int, trajectories: list[Trajectory]) -> Group:
         return Group(
@@ -210,7 +213,8 @@ class EpisodeSource:
             [t.token_ids[t.num_prompt_tokens:] for t in trajectories],
             [t.messages[t.num_prompt_messages:] for t in trajectories],
             [_spread(t.logprobs, t.loss_mask[t.num_prompt_tokens:]) for t in trajectories],
-            [t.loss_mask[t.num_prompt_tokens:] for t in trajectories], trajectories)
+            [t.loss_mask[t.num_prompt_tokens:] for t in trajectories], trajectories,
+            token_weight_versions=[list(t.weight_versions) for t in trajectories])
 
 
 def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:

@@ -94,11 +94,8 @@ class Trainer:
         self.lora_sync = self._build_lora_sync()
         self.partial = None  # the collector that carries groups across steps
         if config.rollout.partial.enabled:
-            if self.task.environment is not None:
-                raise ValueError("rollout.partial is not supported for multi-turn tasks yet "
-                                 "(episodes are not carried across steps): turn it off.")
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
-                                          self._rollout_seed(1))
+                                          self._rollout_seed(1), self.task.environment)
         self.step = 0
         if config.resume_from:
             self._resume(Path(config.resume_from))
