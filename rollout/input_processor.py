@@ -96,9 +96,14 @@ class InputProcessor:
             raise ValueError("this model folder has no tokenizer: pass prompts as token ids.")
         return self.tokenizer.encode(text)
 
-    def _checked_ids(self, token_ids: list[int]) -> list[int]:
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}).")
+    def _checked_ids(self, token_ids: object) -> list[int]:
+        if not isinstance(token_ids, list | tuple):
+            raise ValueError(f"a prompt is a text or a list of token ids, not "
+                             f"{type(token_ids).__name__} ({token_ids!r:.40}).")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                   for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}) "
+                             "(not booleans).")
         return list(token_ids)
 
     def _check_length(self, token_ids: list[int]) -> None:

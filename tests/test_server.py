@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import re
 import socket
@@ -26,6 +27,7 @@ from tandem.cli import build_parser
 from tandem.cli.arguments import config_from_arguments
 from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
 from tandem.rollout.serving.config import ServerConfig
+from tandem.rollout.serving.middleware import GuardMiddleware
 from tandem.rollout.serving.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.rollout.serving.server import build_app
 
@@ -235,7 +237,8 @@ def bad_requests(url: str) -> list[tuple[int, str | None, dict]]:
         (413, None, post | {"json": ok | {"prompt": "x" * (1 << 17)}}),
         (401, None, post | {"json": ok, "headers": {}}),
         (401, None, post | {"json": ok, "headers": {"Authorization": "Bearer wrong"}}),
-        (401, None, dict(method="GET", url=f"{url}/metrics")),
+        (400, "prompt", post | {"json": ok | {"prompt": [True, False]}}),
+        (400, None, post | {"json": ok | {"max_tokens": 0}}),
         (403, None, dict(method="POST", url=f"{url}/init_weight_transfer_engine",
                          headers=AUTH, json={"init_info": {"master_address": HOST,
                                                            "master_port": 1}})),
@@ -445,3 +448,46 @@ def test_tandem_serve_command_answers_on_localhost(llama_dir):
     finally:
         process.terminate()
         process.wait(30)
+
+
+@pytest.mark.parametrize("prompts", [[None], [1.5], ["a", None], [[True, False]]])
+def test_rollouts_refuse_prompts_that_are_not_text_or_token_ids(served, prompts):
+    url, engine = served
+    answer = httpx.post(f"{url}/v1/rollouts", headers=AUTH, json={"prompts": prompts})
+    assert answer.status_code == 400, answer.text
+    assert "prompt" in answer.json()["error"]["message"]
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_chat_max_tokens_0_is_refused_not_taken_as_unset(served):
+    url, _ = served
+    answer = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+    assert answer.status_code == 400 and "max_tokens=0" in answer.json()["error"]["message"]
+
+
+def test_metrics_are_open_to_scrapers_and_server_info_never_shows_the_key(served):
+    url, _ = served
+    assert httpx.get(f"{url}/metrics").status_code == 200  # no key, as vLLM's
+    info = httpx.get(f"{url}/server_info", headers=AUTH).json()["server_config"]
+    assert info["api_key_set"] is True and "api_key" not in info
+    assert API_KEY not in json.dumps(info)
+
+
+def test_metrics_can_require_the_api_key():
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guarded = GuardMiddleware(app, "k", 1024, open_paths=frozenset({"/health"}))
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/metrics", "headers": []}
+    asyncio.run(guarded(scope, receive, send))
+    assert sent[0]["status"] == 401

@@ -18,7 +18,10 @@ class ServerConfig:
         "the address to bind; 127.0.0.1 (this machine only) unless told otherwise.")})
     port: int = field(default=8000, metadata={"help": "the TCP port."})
     api_key: str | None = field(default=None, metadata={"help": (
-        "when set, every endpoint but /health wants ``Authorization: Bearer KEY``.")})
+        "when set, every endpoint but /health and /metrics wants ``Authorization: Bearer "
+        "KEY``.")})
+    metrics_require_api_key: bool = field(default=False, metadata={"help": (
+        "guard /metrics with the API key too (off: open, as vLLM's, for scrapers).")})
     enable_weight_transfer: bool = field(default=False, metadata={"help": (
         "serve the weight-transfer endpoints (off: they answer 403).")})
     served_model_name: str | None = field(default=None, metadata={"help": (

@@ -73,7 +73,9 @@ async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
     if error["type"] == "json_invalid":
         return _answer(400, f"the body is not valid JSON: "
                        f"{error.get('ctx', {}).get('error', error['msg'])}")
-    param = ".".join(str(part) for part in error["loc"][1:]) or None
+    # OpenAI's ``param`` names the request field; deeper parts of pydantic's location are
+    # union members and list positions.
+    param = str(error["loc"][1]) if len(error["loc"]) > 1 else None
     return _answer(400, f"{param or 'body'}: {error['msg']}", param=param)
 
 

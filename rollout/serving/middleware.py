@@ -14,19 +14,22 @@ from .errors import APIError
 
 
 class GuardMiddleware:
-    """Refuses a request before routing: no or a wrong API key (401; /health is open) or
-    a body over the limit (413). It reads the (bounded) body itself and replays it."""
+    """Refuses a request before routing: no or a wrong API key (401; ``open_paths`` need
+    none) or a body over the limit (413). It reads the (bounded) body itself and replays
+    it."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int,
+                 open_paths: frozenset[str] = frozenset({"/health"})) -> None:
         self.app = app
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         """Check one HTTP request, then pass it on with its body replayed."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["path"] != "/health" and not self._authorized(scope):
+        if scope["path"] not in self.open_paths and not self._authorized(scope):
             return await _send_error(send, APIError(
                 401, "missing or wrong API key: send 'Authorization: Bearer <key>' with the "
                 "key the server was started with (--api-key).", code="invalid_api_key"))

@@ -37,7 +37,8 @@ def openai_routes(server: TandemServer) -> APIRouter:
         if body.echo or body.suffix:
             raise APIError(400, "echo and suffix are not supported.",
                            param="echo" if body.echo else "suffix")
-        params = server.sampling_params(body, body.max_tokens or OPENAI_DEFAULT_MAX_TOKENS,
+        params = server.sampling_params(body, _first_set(body.max_tokens,
+                                                         OPENAI_DEFAULT_MAX_TOKENS),
                                         body.logprobs)
         prompts = await server.process_prompts(_prompt_list(body.prompts()))
         return await server.openai_response(request, body, prompts, params, chat=False)
@@ -47,7 +48,8 @@ def openai_routes(server: TandemServer) -> APIRouter:
         server.check_model(body.model)
         tools = body.template_tools()
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens or server.config.max_tokens
+        max_tokens = _first_set(body.max_completion_tokens, body.max_tokens,
+                                server.config.max_tokens)
         params = server.sampling_params(body, max_tokens, logprobs)
         prompt = await server.async_engine.call(server.engine.apply_chat_template,
                                                 body.conversation(), body.add_generation_prompt,
@@ -68,3 +70,8 @@ def _prompt_list(prompts: list[Prompt]) -> list[Prompt]:
     if not prompts:
         raise APIError(400, "no prompt given.", param="prompt")
     return prompts
+
+
+def _first_set(*values: int | None) -> int:
+    """The first value given (0 included: it is refused later, as OpenAI refuses it)."""
+    return next(value for value in values if value is not None)

@@ -18,7 +18,7 @@ import json
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
 
 from ..input_processor import Prompt
 from ..llm import as_prompt_list, params_per_prompt
@@ -91,7 +91,7 @@ class SamplingRequest(_SamplingFields):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt or several, each text or token ids."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

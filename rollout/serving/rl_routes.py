@@ -98,7 +98,9 @@ def _info_routes(server: TandemServer) -> APIRouter:
         return {"model": server.model_name, "max_model_len": engine.max_model_len,
                 "weight_version": engine.weight_version, "world_size": 1,
                 "engine_config": engine_config,
-                "server_config": asdict(server.config) | {"api_key": None}}
+                "server_config": {k: v for k, v in asdict(server.config).items()
+                                  if k != "api_key"}
+                | {"api_key_set": server.config.api_key is not None}}
 
     @router.get("/get_world_size")
     async def get_world_size() -> dict[str, Any]:

@@ -40,8 +40,9 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.server = server
+    open_paths = {"/health"} | (set() if config.metrics_require_api_key else {"/metrics"})
     app.add_middleware(GuardMiddleware, api_key=config.api_key,
-                       max_body_bytes=config.max_body_bytes)
+                       max_body_bytes=config.max_body_bytes, open_paths=frozenset(open_paths))
     add_error_handlers(app)
     for routes in (openai_routes, rl_routes, weight_transfer_routes):
         app.include_router(routes(server))
