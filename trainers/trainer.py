@@ -372,7 +372,7 @@ class Trainer:
         state = json.loads((path / "trainer_state.json").read_text())
         self.step = state["step"]
         trainer_state = torch.load(path / f"optimizer-rank{self.context.rank}.pt",
-                                   weights_only=False)
+                                   weights_only=True)
         self.optimizer.load_state_dict(trainer_state["optimizer"])
         self.scheduler.load_state_dict(trainer_state["scheduler"])
         torch.set_rng_state(trainer_state["rng"])
