@@ -83,6 +83,28 @@ def test_resume_reproduces_the_next_steps_loss(llama_dir, tmp_path, target_token
     assert again["reward"] == expected["reward"]
 
 
+def test_a_save_that_dies_midway_leaves_no_checkpoint_folder(llama_dir, tmp_path, target_token,
+                                                             monkeypatch):
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token, steps=2))
+    trainer.train_step()
+    complete = trainer.save_checkpoint()
+    trainer.train_step()
+
+    def dies(path, *args):
+        (path / "model.safetensors").write_bytes(b"torn")
+        raise KeyboardInterrupt  # as a kill would stop it, half written
+
+    monkeypatch.setattr("tandem.trainers.trainer.save_policy", dies)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save_checkpoint()
+    assert not (tmp_path / "checkpoint-2").exists()  # nothing torn under a checkpoint's name
+    assert (complete / "trainer_state.json").exists()
+    monkeypatch.undo()
+    saved = trainer.save_checkpoint()  # the next save replaces the stage
+    assert saved.name == "checkpoint-2" and (saved / "optimizer-rank0.pt").exists()
+    assert not list(tmp_path.glob(".checkpoint-*"))
+
+
 def test_lora_training_syncs_only_the_adapter(llama_dir, tmp_path, target_token):
     config = make_config(llama_dir, tmp_path, target_token, steps=2)
     config.lora.enabled = True

@@ -1,8 +1,12 @@
-"""A checkpoint's model part: the policy as a Hugging Face folder any engine or
-``from_pretrained`` loads (or, under LoRA, the peft adapter), and the value head."""
+"""Writing checkpoints: the policy as a Hugging Face folder any engine or
+``from_pretrained`` loads (or, under LoRA, the peft adapter) and the value head, into a
+folder that appears under its name only once complete."""
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -26,3 +30,21 @@ def save_policy(path: Path, model: torch.nn.Module, weights: dict[str, torch.Ten
                   for name, tensor in weights.items() if name.startswith("value_head.")}
     if value_head:
         save_file(value_head, path / "value_head.safetensors")
+
+
+@contextmanager
+def staged_folder(path: Path, is_main: bool, barrier: Callable[[], None]) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to write a checkpoint into, renamed to ``path`` once
+    the block has completed on every rank: a run killed while saving leaves no torn
+    ``path`` for a resume to load (only the stage, replaced by the next save)."""
+    stage = path.with_name(f".{path.name}.partial")
+    if is_main:
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir(parents=True)
+    barrier()
+    yield stage
+    barrier()
+    if is_main:
+        shutil.rmtree(path, ignore_errors=True)
+        stage.rename(path)
+    barrier()

@@ -28,7 +28,7 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
-from .checkpoints import save_policy
+from .checkpoints import save_policy, staged_folder
 from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
@@ -355,17 +355,15 @@ class Trainer:
             self.partial.drop_carried()
         path = self.output_dir / f"checkpoint-{self.step}"
         weights = dict(full_named_parameters(self.policy))
-        if self.context.is_main:
-            path.mkdir(parents=True, exist_ok=True)
-            save_policy(path, self.policy.model, weights, self.tokenizer,
-                        self.config.lora.enabled)
-            (path / "trainer_state.json").write_text(json.dumps(
-                {"step": self.step, "config": to_dict(self.config)}, indent=1, default=str))
-        _barrier(self.context)
-        torch.save({"optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                    "rng": torch.get_rng_state()},
-                   path / f"optimizer-rank{self.context.rank}.pt")
+        with staged_folder(path, self.context.is_main, lambda: _barrier(self.context)) as stage:
+            if self.context.is_main:
+                save_policy(stage, self.policy.model, weights, self.tokenizer,
+                            self.config.lora.enabled)
+                (stage / "trainer_state.json").write_text(json.dumps(
+                    {"step": self.step, "config": to_dict(self.config)}, indent=1, default=str))
+            torch.save({"optimizer": self.optimizer.state_dict(),
+                        "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()},
+                       stage / f"optimizer-rank{self.context.rank}.pt")
         return path
 
     def _resume(self, path: Path) -> None:
