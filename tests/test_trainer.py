@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -204,3 +205,18 @@ def test_grpo_trains_on_multi_turn_episodes_masking_environment_tokens(llama_dir
         # each group's prompt once, then only new tokens: well under one pass per token
         assert 0 < metrics["episode_prefill_per_context_token"] < 0.6
     assert trainer.llm.stats()["held_sequences"] == 0
+
+
+def test_resume_latest_takes_the_newest_checkpoint_and_keep_prunes_older_ones(
+        llama_dir, tmp_path, target_token):
+    config = make_config(llama_dir, tmp_path, target_token, steps=3, checkpoint_keep=2)
+    assert Trainer(replace(config, resume_from="latest")).step == 0  # none yet: fresh
+    trainer = Trainer(config)
+    for _ in range(3):
+        trainer.train_step()
+        trainer.save_checkpoint()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2",
+                                                                     "checkpoint-3"]
+    assert Trainer(replace(config, resume_from="latest")).step == 3
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        Trainer(replace(config, resume_from=str(tmp_path / "checkpoint-1")))

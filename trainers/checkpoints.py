@@ -4,6 +4,7 @@ folder that appears under its name only once complete."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -48,3 +49,35 @@ def staged_folder(path: Path, is_main: bool, barrier: Callable[[], None]) -> Ite
         shutil.rmtree(path, ignore_errors=True)
         stage.rename(path)
     barrier()
+
+
+def checkpoints_in(output_dir: Path) -> list[Path]:
+    """The complete ``checkpoint-N`` folders of ``output_dir``, oldest step first."""
+    found = [p for p in output_dir.glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)
+             and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def resolve_resume(resume_from: str | None, output_dir: Path) -> Path | None:
+    """The folder to resume from: ``resume_from`` itself, or for ``"latest"`` the newest
+    complete checkpoint of ``output_dir`` (None when there is none yet: a fresh start).
+
+    Raises:
+        ValueError: for a folder that is not a complete checkpoint.
+    """
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        found = checkpoints_in(output_dir)
+        return found[-1] if found else None
+    path = Path(resume_from)
+    if not (path / "trainer_state.json").exists():
+        raise ValueError(f"resume_from={resume_from!r} is not a complete checkpoint (no "
+                         "trainer_state.json): give a checkpoint-N folder, or 'latest'.")
+    return path
+
+
+def prune_checkpoints(output_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints of ``output_dir``."""
+    for path in checkpoints_in(output_dir)[:-keep]:
+        shutil.rmtree(path)

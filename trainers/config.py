@@ -202,7 +202,9 @@ class TrainConfig:
         seed: seeds data order, sampling and initialisation.
         output_dir: checkpoints and logs.
         checkpoint_every: save every this many steps (0: only at the end).
-        resume_from: a checkpoint folder to continue from.
+        checkpoint_keep: keep only the newest this many checkpoints (0: all).
+        resume_from: a checkpoint folder to continue from, or ``latest``: the newest
+            complete checkpoint of ``output_dir`` (a fresh start when there is none).
         eval_size: held-out prompts evaluated greedily before and after training (0: none).
         eval_reward: the reward whose mean on the held-out prompts is reported as accuracy.
         sync_alias: let the engine serve the trainer's tensors instead of copies (same
@@ -222,6 +224,7 @@ class TrainConfig:
     seed: int = 0
     output_dir: str = "runs/tandem"
     checkpoint_every: int = 0
+    checkpoint_keep: int = 0
     resume_from: str | None = None
     eval_size: int = 0
     eval_reward: str | None = None
@@ -255,7 +258,7 @@ class TrainConfig:
                      "rollout.max_tokens", "optim.micro_batch_size",
                      "rollout.dynamic_sampling.max_extra_prompts"):
             _at_least(name, _get(self, name), 1)
-        for name in ("checkpoint_every", "eval_size", "optim.warmup_steps"):
+        for name in ("checkpoint_every", "checkpoint_keep", "eval_size", "optim.warmup_steps"):
             _at_least(name, _get(self, name), 0)
         if self.algorithm == "grpo" and self.rollout.num_generations < 2:
             raise ValueError("rollout.num_generations must be >= 2 for GRPO: advantages are "

@@ -28,7 +28,7 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
-from .checkpoints import save_policy, staged_folder
+from .checkpoints import prune_checkpoints, resolve_resume, save_policy, staged_folder
 from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
@@ -75,6 +75,7 @@ class Trainer:
         self.model_dir = resolve_model(config.model)
         self.output_dir = Path(config.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.resume_path = resolve_resume(config.resume_from, self.output_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.algorithm = (GRPO(config.grpo, config.importance_sampling)
                           if config.algorithm == "grpo"
@@ -97,8 +98,8 @@ class Trainer:
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
                                           self._rollout_seed(1), self.task.environment)
         self.step = 0
-        if config.resume_from:
-            self._resume(Path(config.resume_from))
+        if self.resume_path is not None:
+            self._resume(self.resume_path)
             self.sync_weights()
         self.logger = MetricsLogger(config.logging, self.output_dir, to_dict(config),
                                     enabled=self.context.is_main)
@@ -124,7 +125,7 @@ class Trainer:
     def _build_policy(self) -> Policy:
         config = self.config
         source = self.model_dir
-        resumed = Path(config.resume_from) if config.resume_from else None
+        resumed = self.resume_path
         if resumed is not None and not config.lora.enabled:
             source = resumed
         model = AutoModelForCausalLM.from_pretrained(source, dtype=DTYPES[config.dtype])
@@ -364,6 +365,8 @@ class Trainer:
             torch.save({"optimizer": self.optimizer.state_dict(),
                         "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()},
                        stage / f"optimizer-rank{self.context.rank}.pt")
+        if self.context.is_main and self.config.checkpoint_keep:
+            prune_checkpoints(self.output_dir, self.config.checkpoint_keep)
         return path
 
     def _resume(self, path: Path) -> None:
