@@ -164,6 +164,16 @@ def test_dynamic_sampling_is_refused_for_ppo():
         load_config(None, ["algorithm=ppo", "rollout.dynamic_sampling.enabled=true"])
 
 
+def train_config(llama_dir, tmp_path, steps: int, prompts_per_step: int = 2,
+                 **rollout) -> TrainConfig:
+    """A tiny run: groups of 2 on the shared engine settings, no W&B or progress bar."""
+    return TrainConfig(
+        model=str(llama_dir), steps=steps, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=prompts_per_step, num_generations=2,
+                              engine=ENGINE, **rollout),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+
+
 def first_token_even(completion_ids, **_) -> list[float]:
     """1 when the completion's first token id is even: often all or none of a small group."""
     return [float(bool(ids) and ids[0] % 2 == 0) for ids in completion_ids]
@@ -173,13 +183,9 @@ def test_a_trainer_step_with_dynamic_sampling_trains_only_groups_that_spread(lla
                                                                              tmp_path):
     task = Task(lambda seed, index: {"prompt": f"Count {index}: one two"}, [],
                 {"even": first_token_even}, [("even", 1.0)])
-    config = TrainConfig(
-        model=str(llama_dir), steps=2, output_dir=str(tmp_path),
-        rollout=RolloutConfig(prompts_per_step=4, num_generations=2, max_tokens=3,
-                              engine=ENGINE,
-                              dynamic_sampling=DynamicSamplingConfig(enabled=True,
-                                                                     max_extra_prompts=12)),
-        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    config = train_config(llama_dir, tmp_path, 2, prompts_per_step=4, max_tokens=3,
+                          dynamic_sampling=DynamicSamplingConfig(enabled=True,
+                                                                 max_extra_prompts=12))
     trainer = Trainer(config, task=task)
     for metrics in (trainer.train_step(), trainer.train_step()):
         assert metrics["groups_kept"] == 4
@@ -193,14 +199,18 @@ def same_weights(llm: LLM) -> list:
     return [(name, tensor.clone()) for name, tensor in llm.engine.weight_parameters().items()]
 
 
+def partial_collector(source, max_staleness: int) -> GroupCollector:
+    """A collector over-provisioning 2 groups and carrying the unfinished ones."""
+    return GroupCollector(source, DynamicSamplingConfig(), PartialRolloutConfig(
+        enabled=True, over_provision=2, max_staleness=max_staleness))
+
+
 @pytest.mark.parametrize("carried_kv", ["keep", "recompute"])
 def test_partial_rollouts_carry_unfinished_groups_through_an_update(llama_dir, tokenizer,
                                                                     carried_kv):
     llm = LLM(str(llama_dir), **ENGINE)
-    config = RolloutConfig(num_generations=2, max_tokens=12)
-    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=5)
-    collector = GroupCollector(CompletionSource(llm, tokenizer, config, seed=0),
-                               DynamicSamplingConfig(), partial)
+    collector = partial_collector(CompletionSource(
+        llm, tokenizer, RolloutConfig(num_generations=2, max_tokens=12), seed=0), 5)
     extras = iter(examples("ssss", start=50))
     first = collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
     assert len(first.groups) == 2 and llm.engine.has_unfinished_requests()
@@ -224,10 +234,8 @@ def test_partial_rollouts_carry_unfinished_groups_through_an_update(llama_dir, t
 
 def test_a_group_older_than_max_staleness_restarts_from_its_prompt(llama_dir, tokenizer):
     llm = LLM(str(llama_dir), **ENGINE)
-    config = RolloutConfig(num_generations=2, max_tokens=12)
-    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=0)
-    collector = GroupCollector(CompletionSource(llm, tokenizer, config, seed=0),
-                               DynamicSamplingConfig(), partial)
+    collector = partial_collector(CompletionSource(
+        llm, tokenizer, RolloutConfig(num_generations=2, max_tokens=12), seed=0), 0)
     extras = iter(examples("ssss", start=70))
     collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
     llm.update_weights(same_weights(llm))
@@ -269,11 +277,8 @@ def test_bad_partial_rollout_options_are_refused(overrides, message):
 def test_partial_training_steps_log_staleness_and_leave_the_pool_empty(llama_dir, tmp_path):
     task = Task(lambda seed, index: {"prompt": "Count: " + "one two " * (index % 5)}, [],
                 {"even": first_token_even}, [("even", 1.0)])
-    config = TrainConfig(
-        model=str(llama_dir), steps=3, output_dir=str(tmp_path),
-        rollout=RolloutConfig(prompts_per_step=2, num_generations=2, max_tokens=6,
-                              engine=ENGINE, partial=PartialRolloutConfig(enabled=True)),
-        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    config = train_config(llama_dir, tmp_path, 3, max_tokens=6,
+                          partial=PartialRolloutConfig(enabled=True))
     trainer = Trainer(config, task=task)
     history = trainer.train()["history"]
     assert all(0 <= m["staleness_mean"] <= 1 and "partial_restarted_groups" in m
@@ -285,8 +290,7 @@ def test_partial_training_steps_log_staleness_and_leave_the_pool_empty(llama_dir
 def test_partial_rollouts_carry_episode_groups_and_restart_stale_ones(llama_dir, tokenizer):
     llm = LLM(str(llama_dir), **ENGINE)
     source = make_source("episodes", llm, tokenizer)
-    partial = PartialRolloutConfig(enabled=True, over_provision=2, max_staleness=0)
-    collector = GroupCollector(source, DynamicSamplingConfig(), partial)
+    collector = partial_collector(source, 0)
     extras = iter(examples("ssss", start=50)[2:] + examples("ss", start=70))
     first = collector.collect(examples("ss"), lambda k: next(extras), spread_by_example())
     assert len(first.groups) == 2 and source.has_unfinished_groups()
@@ -306,11 +310,8 @@ def test_partial_rollouts_carry_episode_groups_and_restart_stale_ones(llama_dir,
 def test_partial_training_on_episodes_ends_with_nothing_held(llama_dir, tmp_path):
     task = Task(lambda seed, index: {"prompt": "Count: " + "one two " * (index % 5)}, [],
                 {"even": first_token_even}, [("even", 1.0)], lambda example: Echo())
-    config = TrainConfig(
-        model=str(llama_dir), steps=2, output_dir=str(tmp_path),
-        rollout=RolloutConfig(prompts_per_step=2, num_generations=2, max_tokens=4, max_turns=2,
-                              engine=ENGINE, partial=PartialRolloutConfig(enabled=True)),
-        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    config = train_config(llama_dir, tmp_path, 2, max_tokens=4, max_turns=2,
+                          partial=PartialRolloutConfig(enabled=True))
     trainer = Trainer(config, task=task)
     history = trainer.train()["history"]
     assert all("staleness_mean" in m and m["episode_turns"] >= 1 for m in history)

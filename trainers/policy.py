@@ -7,6 +7,7 @@ Position ids count real tokens only, as the engine's do.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +26,14 @@ class SamplingReplay:
             -inf where nothing was dropped).
         top_k: the rollout's top-k (0: off), to count where the trainer's own set differs.
         top_p: the rollout's top-p (1: off), the same.
+        measure: count those differences (a sort over the vocabulary per token); off for
+            no-grad scoring passes, whose count no one reads.
     """
 
     thresholds: torch.Tensor
     top_k: int
     top_p: float
+    measure: bool = True
 
     @classmethod
     def from_rows(cls, thresholds: list[list[float]], width: int, top_k: int, top_p: float,
@@ -40,7 +44,7 @@ class SamplingReplay:
 
     def rows(self, rows: slice) -> SamplingReplay:
         """The replay of rows ``rows``."""
-        return SamplingReplay(self.thresholds[rows], self.top_k, self.top_p)
+        return SamplingReplay(self.thresholds[rows], self.top_k, self.top_p, self.measure)
 
     def kept(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """``[B, C, V]`` the engine's kept set, rebuilt on ``logits`` (after temperature):
@@ -85,6 +89,12 @@ class TokenBatch:
     def num_completion_slots(self) -> int:
         """``C``, the padded completion length."""
         return self.completion_ids.shape[1]
+
+    def unmeasured(self) -> TokenBatch:
+        """The same batch, its replay (if any) not counting differing sets."""
+        if self.replay is None:
+            return self
+        return dataclasses.replace(self, replay=dataclasses.replace(self.replay, measure=False))
 
     def rows(self, rows: slice) -> TokenBatch:
         """The batch of rows ``rows`` (same padding)."""
@@ -143,7 +153,8 @@ def completion_logprobs(model: nn.Module, batch: TokenBatch, temperature: float,
     differs = None
     if batch.replay is not None:
         kept = batch.replay.kept(logits.detach(), batch.completion_ids)
-        differs = batch.replay.own_set_differs(logits, kept)
+        if batch.replay.measure:
+            differs = batch.replay.own_set_differs(logits, kept)
         logits = logits.masked_fill(~kept, float("-inf"))
     logprobs = torch.log_softmax(logits, dim=-1)
     token_logprobs = logprobs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)

@@ -291,7 +291,7 @@ class Trainer:
         reference (the policy with its adapter disabled, under LoRA)."""
         model = self.reference if use_reference and self.reference is not None else self.policy
         adapter_off = use_reference and self.reference is None
-        logprobs, values = [], []
+        logprobs, values, tokens = [], [], tokens.unmeasured()
         with self.policy.model.disable_adapter() if adapter_off else nullcontext(), \
                 self._autocast():
             for rows in self._micro_batches(tokens.input_ids.shape[0]):
