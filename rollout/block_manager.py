@@ -3,8 +3,12 @@
 The block manager knows block ids, token ids and hashes, never tensors: the model runner
 turns block tables into slot mappings and performs the copy-on-write copies it returns.
 
-Prefix cache: a full block's hash chains its parent's hash, an extra key (the weight version
-and LoRA id, so a weight update misses old entries without a scan) and its token ids. A
+Prefix cache: a full block's hash is a sha256 digest chaining its parent's digest, an extra
+key (the weight version and LoRA id, so a weight update misses old entries without a scan)
+and its token ids. A hit is never trusted on the digest alone (a collision would serve
+another prompt's KV, in a shared server another client's: vLLM's CVE-2025-25183): the
+cached block must hold the same tokens under the same extra key, and follow the very block
+(and the same occupancy of it, its ``generation``) the lookup matched just before. A
 freed block keeps its hash, and so its cached content, until it is reused; the free queue
 hands out the least recently freed block first (and blocks never used only when no freed
 one is left), and a sequence frees its blocks last block first, so a chain's tail is
@@ -13,8 +17,10 @@ evicted before its head.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from array import array
 from collections import OrderedDict, deque
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 from .sequence import Sequence
@@ -25,9 +31,17 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def block_hash(parent_hash: int | None, extra_key: Hashable, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block (chained through its parent)."""
-    return hash((parent_hash, extra_key, token_ids))
+ExtraKey = tuple[int, int | None]  # (weight_version, lora_id)
+
+
+def block_hash(parent_hash: bytes | None, extra_key: ExtraKey, token_ids: tuple[int, ...]
+               ) -> bytes:
+    """The prefix-cache key of a full block: sha256 over a canonical encoding of its
+    parent's key (chained), the extra key and its token ids."""
+    digest = hashlib.sha256(parent_hash or bytes(32))
+    digest.update(json.dumps(extra_key).encode())
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 @dataclass(slots=True)
@@ -46,14 +60,26 @@ class SlotAllocation:
     copy: tuple[int, int] | None
 
 
+BlockRef = tuple[int, int]  # (block_id, generation): one occupancy of one block
+
+
 @dataclass(slots=True)
 class Block:
-    """One KV block: how many sequences hold it and, once full and registered, its hash."""
+    """One KV block: how many sequences hold it and, once full and registered, its hash and
+    what a cache hit checks: its tokens, extra key and parent block.
+
+    ``generation`` counts the block's occupancies (it grows each time the block is handed
+    out), so a parent reference taken before the parent was evicted and reused no longer
+    matches.
+    """
 
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] = ()
+    extra_key: ExtraKey | None = None
+    parent: BlockRef | None = None
+    generation: int = 0
 
 
 class BlockManager:
@@ -73,14 +99,14 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # The engine sets this to (weight_version, lora_id) whenever the weights change.
-        self.extra_key: Hashable = (0, None)
+        self.extra_key: ExtraKey = (0, None)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Freed blocks in least-recently-freed order, handed out before blocks never used:
         # a used block's memory is already resident (on CPU untouched pool pages cost no
         # memory), and in RL a weight update soon invalidates its cached content anyway.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.untouched_block_ids: deque[int] = deque(range(num_blocks))
-        self.cached_block_ids: dict[int, int] = {}
+        self.cached_block_ids: dict[bytes, int] = {}
         self.num_cow_copies = 0
         self.num_queried_tokens = 0
         self.num_hit_tokens = 0
@@ -176,8 +202,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash; blocks in use keep their content, nothing will hit it."""
         for block_id in self.cached_block_ids.values():
-            self.blocks[block_id].block_hash = None
-            self.blocks[block_id].token_ids = ()
+            self._forget(self.blocks[block_id])
         self.cached_block_ids.clear()
 
     def _lookup(self, seq: Sequence) -> list[int]:
@@ -189,10 +214,23 @@ class BlockManager:
             tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
             parent = block_hash(parent, self.extra_key, tokens)
             block_id = self.cached_block_ids.get(parent)
-            if block_id is None:
+            if block_id is None or not self._holds(block_id, tokens, hits):
                 break
             hits.append(block_id)
         return hits
+
+    def _holds(self, block_id: int, tokens: tuple[int, ...], hits: list[int]) -> bool:
+        """True when cached ``block_id`` holds ``tokens`` under the current extra key right
+        after the blocks ``hits`` (checked, so a colliding digest never serves foreign KV)."""
+        block = self.blocks[block_id]
+        return (block.token_ids == tokens and block.extra_key == self.extra_key
+                and block.parent == self._ref(hits))
+
+    def _ref(self, block_table: list[int]) -> BlockRef | None:
+        """The reference to the last block of ``block_table`` (None for an empty one)."""
+        if not block_table:
+            return None
+        return block_table[-1], self.blocks[block_table[-1]].generation
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Hash and cache each of ``seq``'s blocks that its first ``num_tokens`` tokens fill."""
@@ -203,13 +241,16 @@ class BlockManager:
             tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
-            self._register(seq.block_table[index], seq.block_hashes[-1], tokens)
+            self._register(seq.block_table[index], seq.block_hashes[-1], tokens,
+                           self._ref(seq.block_table[:index]))
 
-    def _register(self, block_id: int, hash_value: int, tokens: tuple[int, ...]) -> None:
+    def _register(self, block_id: int, hash_value: bytes, tokens: tuple[int, ...],
+                  parent: BlockRef | None) -> None:
         if hash_value in self.cached_block_ids:
             return  # the same content is cached in another block already
         block = self.blocks[block_id]
         block.block_hash, block.token_ids = hash_value, tokens
+        block.extra_key, block.parent = self.extra_key, parent
         self.cached_block_ids[hash_value] = block_id
 
     def _shared_block_at(self, seq: Sequence, position: int) -> bool:
@@ -233,18 +274,22 @@ class BlockManager:
 
     def _pop_free(self) -> int:
         """The least recently freed block (its cached content evicted), else an unused one."""
-        if not self.free_block_ids:
+        if self.free_block_ids:
+            block_id, _ = self.free_block_ids.popitem(last=False)
+        else:
             block_id = self.untouched_block_ids.popleft()
-            self.blocks[block_id].ref_count = 1
-            return block_id
-        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self.cached_block_ids.get(block.block_hash) == block_id:
                 del self.cached_block_ids[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            self._forget(block)
         block.ref_count = 1
+        block.generation += 1
         return block_id
+
+    @staticmethod
+    def _forget(block: Block) -> None:
+        block.block_hash, block.token_ids, block.extra_key, block.parent = None, (), None, None
 
     def _take(self, block_id: int) -> None:
         """Add a reference to a cached block, taking it off the free queue if it was free."""

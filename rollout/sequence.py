@@ -48,7 +48,7 @@ class Sequence:
     seed: int | None = None
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     pending_children: list[Sequence] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     logprobs: list[float] = field(default_factory=list)

@@ -15,8 +15,15 @@ from collections import deque
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
+from tandem.rollout import block_manager
 from tandem.rollout.block_manager import BlockManager, num_blocks_for
 from tandem.rollout.sampling_params import SamplingParams
 from tandem.rollout.sequence import Sequence
@@ -179,6 +186,54 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def weak_hash(parent: bytes | None, extra_key: object, token_ids: tuple[int, ...]) -> bytes:
+    """A block hash that collides all the time (3 values): the seam for collision tests."""
+    return bytes([sum(token_ids) % 3])
+
+
+def test_colliding_hashes_never_serve_foreign_kv(monkeypatch):
+    """The machine's own content model checks every hit; under a hash with constant
+    collisions (across tokens, chains and weight versions) each hit must still serve the
+    sequence's own prefix under the current version."""
+    monkeypatch.setattr(block_manager, "block_hash", weak_hash)
+    run_state_machine_as_test(BlockManagerMachine, settings=settings(
+        max_examples=100, stateful_step_count=40, deadline=None))
+
+
+def test_colliding_block_is_a_miss_and_the_true_owner_still_hits(monkeypatch):
+    monkeypatch.setattr(block_manager, "block_hash", lambda *args: b"same")
+    manager = BlockManager(8, BLOCK_SIZE)
+    first = make_seq(0, [1, 2, 3, 4, 5])
+    manager.allocate_slots(first, first.num_tokens)
+    foreign = make_seq(1, [4, 3, 2, 1, 5])  # the same digest, other tokens
+    assert manager.allocate_slots(foreign, foreign.num_tokens).num_cached_tokens == 0
+    assert foreign.block_table[0] != first.block_table[0]
+    again = make_seq(2, [1, 2, 3, 4, 6])
+    assert manager.allocate_slots(again, again.num_tokens).num_cached_tokens == BLOCK_SIZE
+    assert again.block_table[0] == first.block_table[0]
+
+
+def test_child_of_an_evicted_parent_is_not_served(monkeypatch):
+    """The head of a cached chain is evicted and reused for other tokens. Under a seam whose
+    digest ignores the parent, the old second block still matches by digest and tokens, but
+    it followed the head's old occupancy, so it is a miss."""
+    monkeypatch.setattr(block_manager, "block_hash", lambda parent, key, tokens: bytes(tokens))
+    manager = BlockManager(4, BLOCK_SIZE)
+    seq = make_seq(0, [1, 1, 1, 1, 2, 2, 2, 2, 3])
+    manager.allocate_slots(seq, seq.num_tokens)
+    head, second, tail = seq.block_table
+    manager.free(seq)
+    for block_id in (tail, second):  # evict the head first
+        manager.free_block_ids.move_to_end(block_id)
+    other = make_seq(1, [7, 7, 7, 7, 8])
+    manager.allocate_slots(other, other.num_tokens)
+    assert other.block_table[0] == head
+    manager.free(other)
+    query = make_seq(2, [7, 7, 7, 7, 2, 2, 2, 2, 9])
+    assert manager.allocate_slots(query, query.num_tokens).num_cached_tokens == BLOCK_SIZE
+    assert query.block_table[0] == head
 
 
 def test_double_free_is_refused():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
+from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams, block_manager
 
 from .conftest import count_tokenizations
 
@@ -157,6 +157,24 @@ def test_engine_step_loop_abort_frees_blocks(llama_dir):
                                   "num_waiting", "weight_version", "preemptions")} == {
         "kv_blocks_total": 40, "kv_blocks_used": 0, "num_running": 0, "num_waiting": 0,
         "weight_version": 0, "preemptions": 0}
+
+
+def test_colliding_block_hashes_never_serve_another_prompts_kv(llama_dir, monkeypatch):
+    """Every block's digest collides: each prompt's greedy tokens and log-probs still equal
+    an engine's without the prefix cache, and the block a prompt truly shares still hits."""
+    monkeypatch.setattr(block_manager, "block_hash", lambda *args: b"collide")
+    first = [(7 * i) % 150 + 5 for i in range(40)]
+    prompts = [first, first[:16] + first[:24], [(11 * i) % 150 + 5 for i in range(40)]]
+    params = greedy(6, ignore_eos=True, logprobs=0)
+    cached = LLM(str(llama_dir), num_kv_blocks=40, max_model_len=256)
+    reference = LLM(str(llama_dir), num_kv_blocks=40, max_model_len=256,
+                    enable_prefix_caching=False)
+    for prompt in prompts:  # one at a time, so each looks up the blocks of those before
+        got, want = (llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+                     for llm in (cached, reference))
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert cached.stats()["prefix_cache_hit_tokens"] == 16
 
 
 def test_stats_report_the_peak_kv_use_of_the_last_busy_period(llama_dir):
