@@ -70,17 +70,19 @@ def test_engine_serves_the_trainer_weights_after_each_step(llama_dir, tmp_path, 
         assert torch.equal(engine[name], tensor.detach()), name
 
 
-def test_resume_reproduces_the_next_steps_loss(llama_dir, tmp_path, target_token):
-    config = make_config(llama_dir, tmp_path / "a", target_token, steps=3)
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])  # PPO's KL: the reference stays put
+def test_resume_reproduces_the_next_steps_loss(llama_dir, tmp_path, target_token, algorithm):
+    config = make_config(llama_dir, tmp_path / "a", target_token, steps=3, algorithm=algorithm)
     trainer = Trainer(config)
     trainer.train_step()
     checkpoint = trainer.save_checkpoint()
     expected = trainer.train_step()
     resumed = Trainer(make_config(llama_dir, tmp_path / "b", target_token, steps=3,
-                                  resume_from=str(checkpoint)))
+                                  algorithm=algorithm, resume_from=str(checkpoint)))
     assert resumed.step == 1
     again = resumed.train_step()
-    assert again["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-7)
+    for key in {"loss", "grad_norm", "kl"} & expected.keys():
+        assert again[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
     assert again["reward"] == expected["reward"]
 
 

@@ -10,8 +10,6 @@ the start of the next ones.
 
 from __future__ import annotations
 
-import copy
-import json
 import time
 from contextlib import nullcontext
 from dataclasses import replace
@@ -28,7 +26,14 @@ from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
 from .algorithms import GRPO, PPO, MicroBatch
-from .checkpoints import prune_checkpoints, resolve_resume, save_policy, staged_folder
+from .checkpoints import (
+    load_trainer_state,
+    prune_checkpoints,
+    resolve_resume,
+    save_policy,
+    save_trainer_state,
+    staged_folder,
+)
 from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
@@ -97,12 +102,14 @@ class Trainer:
         if config.rollout.partial.enabled:
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
                                           self._rollout_seed(1), self.task.environment)
-        self.step = 0
+        self.step, wandb_run_id = 0, None
         if self.resume_path is not None:
-            self._resume(self.resume_path)
+            self.step, wandb_run_id = load_trainer_state(self.resume_path, self.context.rank,
+                                                         self.optimizer, self.scheduler)
             self.sync_weights()
         self.logger = MetricsLogger(config.logging, self.output_dir, to_dict(config),
-                                    enabled=self.context.is_main)
+                                    enabled=self.context.is_main, start_step=self.step,
+                                    wandb_run_id=wandb_run_id)
 
     # --- building ------------------------------------------------------------------------
 
@@ -148,8 +155,10 @@ class Trainer:
     def _build_reference(self) -> Policy | None:
         if not self.algorithm.needs_reference or self.config.lora.enabled:
             return None
-        reference = copy.deepcopy(self.policy.model).eval().requires_grad_(False)
-        return Policy(reference)
+        # from the starting model: on resume the policy holds the checkpoint's weights
+        reference = AutoModelForCausalLM.from_pretrained(self.model_dir,
+                                                         dtype=DTYPES[self.config.dtype])
+        return Policy(reference.to(self.context.device).eval().requires_grad_(False))
 
     def _build_lora_sync(self) -> Any:
         if not self.config.lora.enabled:
@@ -350,33 +359,25 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Write ``output_dir/checkpoint-STEP``: the model as a Hugging Face folder (or the
-        adapter), the value head, and per rank the optimizer, schedule and RNG state.
-        Groups carried by partial rollouts are dropped here (a step boundary)."""
+        adapter), the value head, the step, config and W&B run id, and per rank the optimizer,
+        schedule and RNG state. Groups carried by partial rollouts are dropped here (a step
+        boundary)."""
         if self.partial is not None:
             self.partial.drop_carried()
         path = self.output_dir / f"checkpoint-{self.step}"
         weights = dict(full_named_parameters(self.policy))
         with staged_folder(path, self.context.is_main, lambda: _barrier(self.context)) as stage:
+            run_state = None
             if self.context.is_main:
                 save_policy(stage, self.policy.model, weights, self.tokenizer,
                             self.config.lora.enabled)
-                (stage / "trainer_state.json").write_text(json.dumps(
-                    {"step": self.step, "config": to_dict(self.config)}, indent=1, default=str))
-            torch.save({"optimizer": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "rng": torch.get_rng_state()},
-                       stage / f"optimizer-rank{self.context.rank}.pt")
-        if self.context.is_main and self.config.checkpoint_keep:
+                run_state = {"config": to_dict(self.config),
+                             "wandb_run_id": self.logger.wandb_run_id}
+            save_trainer_state(stage, self.step, self.context.rank, run_state, self.optimizer,
+                               self.scheduler)
+        if self.context.is_main:
             prune_checkpoints(self.output_dir, self.config.checkpoint_keep)
         return path
-
-    def _resume(self, path: Path) -> None:
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.step = state["step"]
-        trainer_state = torch.load(path / f"optimizer-rank{self.context.rank}.pt",
-                                   weights_only=True)
-        self.optimizer.load_state_dict(trainer_state["optimizer"])
-        self.scheduler.load_state_dict(trainer_state["scheduler"])
-        torch.set_rng_state(trainer_state["rng"])
 
 
 def _combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
