@@ -120,7 +120,8 @@ class LLMEngine:
         blocks, held under ``(request_id, index)`` until continued or ``release``d.
 
         Raises:
-            ValueError: for a duplicate request id, n above max_num_seqs, a prompt
+            ValueError: for a duplicate request id (or, with ``hold_kv``, one whose earlier
+                completions are still held), n above max_num_seqs, a prompt
                 ``process_prompt`` refuses, or a continuation of nothing held (nothing queued).
             EngineAsleepError: while the engine sleeps.
         """
@@ -131,12 +132,13 @@ class LLMEngine:
         """Queue several requests, all or none: every one is checked before any is queued.
 
         Raises:
-            ValueError, EngineAsleepError: as ``add_request``, for any of them.
+            ValueError, EngineAsleepError: as ``add_request``, for any of them, and for
+                lists of different lengths.
         """
         if self.sleep_level:
             raise EngineAsleepError("the engine is asleep (its KV pool is freed): call "
                                     "wake_up() before generating.")
-        self._check_new_requests(request_ids, params)
+        self._check_new_requests(request_ids, prompts, params, hold_kv)
         resolved = [self._resolve(prompt) for prompt in prompts]
         continued = [held for _, held in resolved if held is not None]
         if len({id(seq) for seq in continued}) < len(continued):
@@ -161,7 +163,11 @@ class LLMEngine:
         with self.lock:
             self.scheduler.release_held(self.held.available((request_id, index)))
 
-    def _check_new_requests(self, request_ids: Seq[str], params: Seq[SamplingParams]) -> None:
+    def _check_new_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
+                            params: Seq[SamplingParams], hold_kv: bool) -> None:
+        if not len(request_ids) == len(prompts) == len(params):
+            raise ValueError(f"{len(request_ids)} request ids, {len(prompts)} prompts and "
+                             f"{len(params)} sampling params: give one of each per request.")
         for p in params:
             if p.n > self.config.max_num_seqs:
                 raise ValueError(f"n={p.n} exceeds max_num_seqs={self.config.max_num_seqs} (a "
@@ -169,6 +175,9 @@ class LLMEngine:
         for request_id in request_ids:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use.")
+            if hold_kv and self.held.holds_request(request_id):
+                raise ValueError(f"request id {request_id!r} still holds completions: "
+                                 "continue or release them first, or use a new id.")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request ids repeat within one call: give each its own id.")
 

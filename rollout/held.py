@@ -54,6 +54,10 @@ class HeldSequences:
         """Hold a finished sequence (the newest)."""
         self.seqs[(seq.request_id, seq.index)] = seq
 
+    def holds_request(self, request_id: str) -> bool:
+        """True while some completion of ``request_id`` is held."""
+        return any(key[0] == request_id for key in self.seqs)
+
     def available(self, key: HeldKey) -> Sequence:
         """The held sequence under ``key``, if no continuation has claimed it yet.
 

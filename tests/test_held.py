@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tandem.rollout import LLM, Continuation, SamplingParams
+from tandem.rollout import LLM, Continuation, EngineConfig, LLMEngine, SamplingParams
 
 from .conftest import save_model
 
@@ -204,3 +204,27 @@ class HeldEpisodesMachine(RuleBasedStateMachine):
 
 TestHeldEpisodes = HeldEpisodesMachine.TestCase
 TestHeldEpisodes.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
+
+
+def test_a_new_held_request_under_an_id_that_still_holds_is_refused(llama_dir):
+    """Found by the engine fuzz: the new completion replaced the held one under the same
+    key, and the old one's blocks leaked."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=16, max_model_len=128))
+    engine.add_request("a", PROMPT, GREEDY, hold_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="still holds completions"):
+        engine.add_request("a", PROMPT, GREEDY, hold_kv=True)
+    engine.release("a")
+    engine.add_request("a", PROMPT, GREEDY, hold_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.release("a")
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_add_requests_refuses_lists_of_different_lengths(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=16, max_model_len=128))
+    with pytest.raises(ValueError, match="one of each per request"):
+        engine.add_requests(["a", "b"], [PROMPT], [GREEDY, GREEDY])
+    assert not engine.has_unfinished_requests()
