@@ -14,6 +14,7 @@ ENGINE_DIRS = ("rollout", "sync", "kernels")
 PACKAGE_DIRS = (*ENGINE_DIRS, "trainers")
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "starlette")
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 50, 400
+UNPICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve")
 
 
 def modules(*dirs: str) -> list[Path]:
@@ -69,6 +70,14 @@ def test_the_client_and_server_config_import_without_the_web_stack():
     for name in ("client.py", "config.py", "__init__.py"):
         path = ROOT / "rollout" / "serving" / name
         assert not any(n.split(".")[0] in WEB_STACK for n in imported_names(path)), path
+
+
+@pytest.mark.parametrize("path", modules("sync", "rollout"), ids=relative)
+def test_no_engine_or_sync_module_imports_pickle(path):
+    # What arrives over a connection (the weight-transfer store, HTTP bodies) is JSON: an
+    # unpickler there would run whatever code a hostile peer sent.
+    unpicklers = [n for n in imported_names(path) if n.split(".")[0] in UNPICKLERS]
+    assert not unpicklers, f"{path} imports {unpicklers}: decode JSON instead"
 
 
 @pytest.mark.parametrize("path", modules(*PACKAGE_DIRS), ids=relative)

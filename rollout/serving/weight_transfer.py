@@ -19,6 +19,8 @@ import asyncio
 import time
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from tandem.sync import WeightReceiver
 
 from ..engine import LLMEngine
@@ -27,6 +29,10 @@ from .metrics import Histogram
 
 class WeightTransferStateError(RuntimeError):
     """A weight-transfer call came out of order (e.g. ``update`` before ``start``)."""
+
+
+class WeightTransferTimeoutError(RuntimeError):
+    """The trainer's group did not form within the weight-transfer timeout."""
 
 
 class WeightTransfer:
@@ -53,14 +59,26 @@ class WeightTransfer:
         Raises:
             ValueError: for a rank outside 1..world_size - 1.
             WeightTransferStateError: while an update is being received.
-            RuntimeError: when the group did not form within the timeout.
+            WeightTransferTimeoutError: when the group did not form within the timeout
+                (nothing is kept: a later init starts afresh).
         """
         async with self._exclusive():
             self.receiver = None
             self.update_open = False
-            self.receiver = await asyncio.to_thread(
-                WeightReceiver, self.engine, master_address, master_port, world_size,
-                rank_offset, None, self.timeout)
+            try:
+                self.receiver = await asyncio.to_thread(
+                    WeightReceiver, self.engine, master_address, master_port, world_size,
+                    rank_offset, None, self.timeout)
+            except dist.DistError as exc:  # the store unreachable, or a rank missing
+                raise WeightTransferTimeoutError(self._no_group(master_address, master_port,
+                                                                exc)) from exc
+
+    def _no_group(self, master_address: str, master_port: int, exc: Exception) -> str:
+        cause = str(exc).partition("\n")[0].rstrip(".")  # drop a C++ stack trace
+        return (f"no weight-transfer group formed with the trainer's store at "
+                f"{master_address}:{master_port} within {self.timeout.total_seconds():g} s "
+                f"({cause}): start the trainer's WeightSender (which hosts the store) before "
+                "this call, or raise --weight-transfer-timeout.")
 
     def start(self) -> None:
         """Open an update.

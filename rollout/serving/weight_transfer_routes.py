@@ -1,6 +1,11 @@
 """vLLM's weight-transfer routes, served with ``enable_weight_transfer`` (else 403):
 ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
-``/finish_weight_update``, driving the server's ``WeightTransfer``."""
+``/finish_weight_update``, driving the server's ``WeightTransfer``.
+
+Whoever may call them may replace the served weights, and makes the server connect to the
+address an init names: an init is refused (403) unless that address is among
+``weight_transfer_allowed_hosts``, before any connection is attempted.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
+from .allowed_hosts import AllowedHosts
 from .errors import APIError
 from .protocol import InitWeightTransferRequest, StartWeightUpdateRequest, UpdateWeightsRequest
 from .state import TandemServer
@@ -22,10 +28,19 @@ def weight_transfer_routes(server: TandemServer) -> APIRouter:
 
     router = APIRouter(dependencies=[Depends(enabled)])
     transfer = server.weight_transfer
+    allowed_hosts = AllowedHosts.parse(server.config.weight_transfer_allowed_hosts)
 
     @router.post("/init_weight_transfer_engine")
     async def init_weight_transfer_engine(body: InitWeightTransferRequest) -> dict[str, Any]:
         info = body.init_info
+        if not allowed_hosts.allows(info.master_address):
+            raise APIError(403, f"master_address {info.master_address!r} is not among this "
+                           "server's weight-transfer hosts "
+                           f"({server.config.weight_transfer_allowed_hosts}): a trainer there "
+                           "could replace the served weights. To trust it, start the server "
+                           "with --weight-transfer-allowed-hosts naming it (a host, an IP "
+                           "address or a CIDR network; '*' for any).", param="master_address",
+                           code="weight_transfer_host_not_allowed")
         await transfer.init(info.master_address, info.master_port, info.rank_offset,
                             info.world_size)
         return {"message": "weight transfer initialised"}

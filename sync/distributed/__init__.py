@@ -29,8 +29,13 @@ Transport modes, agreed at construction from every rank's device (the device pas
 - ``cuda_ipc``: every rank on the same GPU (same UUID), where NCCL refuses two ranks. The
   sender's two bucket buffers are shared once per layout as CUDA IPC handles
   (``torch.multiprocessing.reductions.reduce_tensor``, through the store, as verl and
-  OpenRLHF do); a gloo all-reduce per bucket is the barrier that says "filled" to the
+  OpenRLHF do, but as plain JSON fields rather than a pickle, rebuilt by one fixed function
+  in ``group.py``); a gloo all-reduce per bucket is the barrier that says "filled" to the
   engines and "read" (of the bucket before) to the sender.
+
+The store holds JSON only (``wire.py`` reads it strictly): whoever can write to it can send
+any weights, but never make an engine run code. A malformed entry makes the receiver raise
+``WeightUpdateError`` naming it and abort the pair.
 
 Some ranks on the trainer's GPU and others elsewhere is refused (``ValueError``).
 
@@ -40,8 +45,8 @@ within it: the receiver aborts the update, the engine keeps serving its old weig
 sender and new receivers (on a fresh port) to go on.
 
 The pieces: ``layout.py`` (buckets and their layout), ``group.py`` (the store, the process
-groups and the mode), ``sender.py`` (``WeightSender``) and ``receiver.py``
-(``WeightReceiver``).
+groups, the mode and the IPC handles), ``wire.py`` (checked JSON), ``sender.py``
+(``WeightSender``) and ``receiver.py`` (``WeightReceiver``).
 """
 
 from .group import DEFAULT_TIMEOUT

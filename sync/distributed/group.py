@@ -3,20 +3,27 @@ transport mode agreed from every rank's device, bucket moves, votes and refusal 
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+from .wire import decode_bytes, encode_bytes, expect, expect_keys, parse_json
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 GLOO, NCCL, CUDA_IPC = "gloo", "nccl", "cuda_ipc"
-# Position of the storage's device index in ``reduce_tensor``'s arguments for
-# ``rebuild_cuda_tensor``: the receiver numbers devices its own way.
-IPC_DEVICE_ARGUMENT = 6
-
-IpcHandle = tuple[Any, tuple[Any, ...]]
+# A CUDA IPC handle of a bucket buffer as the store carries it: the variable part of
+# ``reduce_tensor``'s arguments for ``rebuild_cuda_tensor``, each field's JSON type (bytes
+# travel as base64 text). The rest is fixed on the receiver's side: the tensor and storage
+# classes, uint8, a 1-D contiguous shape, no gradient, and its own device index (the
+# receiver numbers devices its own way).
+IPC_FIELDS: dict[str, type] = {
+    "numel": int, "offset": int, "handle": bytes, "storage_size_bytes": int,
+    "storage_offset_bytes": int, "ref_counter_handle": bytes, "ref_counter_offset": int,
+    "event_handle": bytes, "event_sync_required": bool}
 
 
 class TransferGroup:
@@ -117,17 +124,72 @@ class TransferGroup:
             self.data.abort()
 
 
-def share_buffers(buffers: list[torch.Tensor]) -> list[IpcHandle]:
-    """CUDA IPC handles of the sender's bucket buffers (``reduce_tensor``), for the store."""
-    return [reduce_tensor(buffer) for buffer in buffers]
+def share_buffers(buffers: list[torch.Tensor]) -> str:
+    """The CUDA IPC handles of the sender's 1-D uint8 bucket buffers, as JSON for the store
+    (``rebuild_buffers`` reads it)."""
+    return json.dumps([_ipc_fields(reduce_tensor(buffer)[1]) for buffer in buffers])
 
 
-def rebuild_buffer(handle: IpcHandle, device: torch.device) -> torch.Tensor:
-    """Map the sender's buffer from its CUDA IPC handle onto this process's ``device``."""
-    rebuild, arguments = handle
-    arguments = list(arguments)
-    arguments[IPC_DEVICE_ARGUMENT] = device.index
-    return rebuild(*arguments)
+def _ipc_fields(arguments: tuple[Any, ...]) -> dict[str, Any]:
+    """The JSON fields (``IPC_FIELDS``) of ``reduce_tensor``'s arguments for
+    ``rebuild_cuda_tensor`` of a 1-D buffer."""
+    (_, size, _, offset, _, _, _, handle, storage_size_bytes, storage_offset_bytes, _,
+     ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = arguments
+    values = {"numel": size[0], "offset": offset, "handle": handle,
+              "storage_size_bytes": storage_size_bytes,
+              "storage_offset_bytes": storage_offset_bytes,
+              "ref_counter_handle": ref_counter_handle, "ref_counter_offset": ref_counter_offset,
+              "event_handle": event_handle, "event_sync_required": event_sync_required}
+    return {name: encode_bytes(value) if IPC_FIELDS[name] is bytes else value
+            for name, value in values.items()}
+
+
+def rebuild_buffers(payload: str | bytes, nbytes: int, device: torch.device
+                    ) -> list[torch.Tensor]:
+    """Map the sender's two bucket buffers, from the JSON ``share_buffers`` wrote, onto this
+    process's ``device``; each must hold at least ``nbytes``.
+
+    Raises:
+        ValueError: naming the buffer and field when ``payload`` is not two such handles.
+    """
+    handles = expect(parse_json(payload, "the CUDA IPC handles"), list, "the CUDA IPC handles")
+    if len(handles) != 2:
+        raise ValueError(f"the CUDA IPC handles must be 2 (one per bucket buffer), got "
+                         f"{len(handles)}")
+    fields = [_decode_ipc_fields(handle, f"CUDA IPC handle {index}")
+              for index, handle in enumerate(handles)]
+    for index, handle in enumerate(fields):
+        if handle["numel"] < nbytes:
+            raise ValueError(f"CUDA IPC handle {index} is a buffer of {handle['numel']} bytes, "
+                             f"but the layout's largest bucket needs {nbytes}")
+    return [_rebuild_buffer(handle, device) for handle in fields]
+
+
+def _decode_ipc_fields(handle: Any, what: str) -> dict[str, Any]:
+    """``handle``'s ``IPC_FIELDS``, checked and with bytes decoded.
+
+    Raises:
+        ValueError: naming ``what`` and the field for a missing, extra or mistyped field, or
+            a buffer that does not fit in its storage.
+    """
+    handle = expect_keys(handle, set(IPC_FIELDS), what)
+    fields = {name: decode_bytes(handle[name], f"{what}'s {name}") if kind is bytes
+              else expect(handle[name], kind, f"{what}'s {name}")
+              for name, kind in IPC_FIELDS.items()}
+    if fields["offset"] + fields["numel"] > fields["storage_size_bytes"]:
+        raise ValueError(f"{what}: {fields['numel']} bytes at offset {fields['offset']} do not "
+                         f"fit its storage of {fields['storage_size_bytes']} bytes")
+    return fields
+
+
+def _rebuild_buffer(fields: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """Map one sender buffer, from its checked ``_decode_ipc_fields``, onto ``device``: the
+    one place a CUDA IPC handle is opened, with every class and type fixed here."""
+    return rebuild_cuda_tensor(
+        torch.Tensor, (fields["numel"],), (1,), fields["offset"], torch.storage.TypedStorage,
+        torch.uint8, device.index, fields["handle"], fields["storage_size_bytes"],
+        fields["storage_offset_bytes"], False, fields["ref_counter_handle"],
+        fields["ref_counter_offset"], fields["event_handle"], fields["event_sync_required"])
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -7,8 +7,11 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .wire import expect, expect_list, parse_json
 
 # Every tensor starts at a multiple of this many bytes, so a bucket's bytes can be viewed
 # as any dtype.
@@ -115,10 +118,44 @@ class Layout:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Layout:
-        """The layout ``to_json`` wrote."""
-        return cls(tuple(Bucket(nbytes, tuple(
-            TensorSlot(name, getattr(torch, dtype), tuple(shape), offset)
-            for name, dtype, shape, offset in slots)) for nbytes, slots in json.loads(text)))
+        """The layout ``to_json`` wrote, every value checked (it comes from the store).
+
+        Raises:
+            ValueError: naming the bucket, tensor and field when ``text`` is not such a
+                layout (not JSON, a wrong type, an unknown dtype, a tensor past its bucket).
+        """
+        buckets = expect(parse_json(text, "the layout"), list, "the layout")
+        return cls(tuple(_bucket_from_json(entry, f"layout bucket {index}")
+                         for index, entry in enumerate(buckets)))
+
+
+def _bucket_from_json(entry: Any, what: str) -> Bucket:
+    nbytes, slots = expect_list(entry, 2, what)
+    bucket = Bucket(expect(nbytes, int, f"{what}'s size"), tuple(
+        _slot_from_json(slot, f"{what}, tensor {index}")
+        for index, slot in enumerate(expect(slots, list, f"{what}'s tensors"))))
+    for slot in bucket.slots:
+        if slot.offset % ALIGNMENT or slot.offset + slot.nbytes > bucket.nbytes:
+            raise ValueError(f"{what}: tensor {slot.name!r} ({slot.nbytes} bytes at offset "
+                             f"{slot.offset}) must lie within the bucket's {bucket.nbytes} "
+                             f"bytes at a multiple of {ALIGNMENT}")
+    return bucket
+
+
+def _slot_from_json(entry: Any, what: str) -> TensorSlot:
+    name, dtype, shape, offset = expect_list(entry, 4, what)
+    shape = tuple(expect(size, int, f"{what}'s shape") for size in
+                  expect(shape, list, f"{what}'s shape"))
+    return TensorSlot(expect(name, str, f"{what}'s name"), _dtype(dtype, f"{what}'s dtype"),
+                      shape, expect(offset, int, f"{what}'s offset"))
+
+
+def _dtype(name: Any, what: str) -> torch.dtype:
+    """The torch dtype ``dtype_name`` spelled (looked up among torch's dtypes only)."""
+    dtype = vars(torch).get(expect(name, str, what))
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{what} {name!r} is not a torch dtype")
+    return dtype
 
 
 def align_up(offset: int) -> int:

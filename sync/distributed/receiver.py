@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import pickle
 from collections import deque
 from collections.abc import Iterator
 from datetime import timedelta
@@ -13,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from ..protocol import WeightUpdate, WeightUpdateError
-from .group import CUDA_IPC, DEFAULT_TIMEOUT, TransferGroup, rebuild_buffer, resolve_device
+from .group import CUDA_IPC, DEFAULT_TIMEOUT, TransferGroup, rebuild_buffers, resolve_device
 from .layout import Bucket, Layout, TensorEntry
+from .wire import expect, expect_keys, parse_json
 
 
 class WeightReceiver:
@@ -64,28 +63,35 @@ class WeightReceiver:
         Raises:
             WeightUpdateError: when no update began within ``wait`` (call again), this
                 engine or another refused a tensor, the update differs from ``expected``,
-                the sender aborted, or the sender was lost (past the timeout; then rebuild
-                the pair). The engine keeps serving its previous weights.
+                the sender aborted, the sender was lost (past the timeout) or its header,
+                layout or buffer handles in the store are malformed (then rebuild the
+                pair). The engine keeps serving its previous weights.
         """
-        header = self._next_header(self.group.timeout if wait is None else wait)
-        update, failure = self._begin(header)
+        payload = self._next_header(self.group.timeout if wait is None else wait)
+        update: WeightUpdate | None = None
         try:
+            header = _parse_header(payload)
+            update, failure = self._begin(header)
             self._read_layout(header["layout"])
             failure = failure or self.layout.difference(expected)
             failure = self._stream(update, failure)
             return self._finish(update, failure)
         except WeightUpdateError:
             raise
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # ValueError: a malformed store entry
             if update is not None:
                 update.abort()
             self.group.abort()
-            raise WeightUpdateError(
-                f"lost the sender during weight update {self.update_number} ({exc}); the "
-                f"engine keeps serving weight version {self.engine.weight_version}; build a "
-                "new sender and receivers.") from exc
+            raise WeightUpdateError(self._broken_pair(exc)) from exc
 
-    def _next_header(self, wait: timedelta) -> dict[str, Any]:
+    def _broken_pair(self, exc: Exception) -> str:
+        cause = (f"the sender's store holds a malformed entry ({exc})"
+                 if isinstance(exc, ValueError) else f"lost the sender ({exc})")
+        return (f"{cause} during weight update {self.update_number}; the engine keeps serving "
+                f"weight version {self.engine.weight_version}; build a new sender and "
+                "receivers.")
+
+    def _next_header(self, wait: timedelta) -> bytes:
         key = f"update/{self.update_number + 1}"
         try:
             self.group.store.wait([key], wait)
@@ -94,7 +100,7 @@ class WeightReceiver:
                                     "receive again, or rebuild the pair if the sender is "
                                     "gone.") from exc
         self.update_number += 1
-        return json.loads(self.group.store.get(key))
+        return self.group.store.get(key)
 
     def _begin(self, header: dict[str, Any]) -> tuple[WeightUpdate | None, str | None]:
         try:
@@ -105,12 +111,11 @@ class WeightReceiver:
     def _read_layout(self, number: int) -> None:
         if number == self.layout_number:
             return
-        payload = self.group.store.get(f"layout/{number}")
+        self.layout = Layout.from_json(self.group.store.get(f"layout/{number}"))
         if self.group.mode == CUDA_IPC:
-            payload, handles = pickle.loads(payload)
-            self._buffers = [rebuild_buffer(handle, self.group.device) for handle in handles]
-        self.layout = Layout.from_json(payload)
-        if self.group.mode != CUDA_IPC:
+            self._buffers = rebuild_buffers(self.group.store.get(f"ipc/{number}"),
+                                            self.layout.buffer_bytes, self.group.device)
+        else:
             self._buffers = self.group.new_buffers(self.layout.buffer_bytes)
         self.layout_number = number
 
@@ -152,6 +157,21 @@ class WeightReceiver:
                                     f"engine keeps serving weight version "
                                     f"{self.engine.weight_version}.")
         return version
+
+
+def _parse_header(payload: bytes) -> dict[str, Any]:
+    """An update's header from the store: its layout number, version and ``full``.
+
+    Raises:
+        ValueError: naming the field when the header is not such a JSON object.
+    """
+    header = expect_keys(parse_json(payload, "the update header"), {"layout", "version", "full"},
+                         "the update header")
+    expect(header["layout"], int, "the update header's layout")
+    if header["version"] is not None:
+        expect(header["version"], int, "the update header's version")
+    expect(header["full"], bool, "the update header's full")
+    return header
 
 
 def _load(update: WeightUpdate, bucket: Bucket, buffer: torch.Tensor) -> str | None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 from collections import deque
 from collections.abc import Iterable
 from datetime import timedelta
@@ -87,15 +86,15 @@ class WeightSender:
         signature = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
         if signature == self._signature:
             return
-        self.group.store.delete_key(f"layout/{self.layout_number}")
+        for key in (f"layout/{self.layout_number}", f"ipc/{self.layout_number}"):
+            self.group.store.delete_key(key)
         self._signature = signature
         self.layout = Layout.plan(tensors, self.bucket_bytes)
         self.layout_number += 1
         self._buffers = self.group.new_buffers(self.layout.buffer_bytes)
-        payload = self.layout.to_json().encode()
         if self.group.mode == CUDA_IPC:
-            payload = pickle.dumps((payload, share_buffers(self._buffers)))
-        self.group.store.set(f"layout/{self.layout_number}", payload)
+            self.group.store.set(f"ipc/{self.layout_number}", share_buffers(self._buffers))
+        self.group.store.set(f"layout/{self.layout_number}", self.layout.to_json())
 
     def _stream(self, tensors: dict[str, torch.Tensor]) -> str | None:
         """Pack and post every bucket; the reason packing failed, if it did."""
