@@ -21,7 +21,6 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from tandem.cli import build_parser
 from tandem.cli.arguments import config_from_arguments
@@ -29,7 +28,7 @@ from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
 from tandem.rollout.serving.config import ServerConfig
 from tandem.rollout.serving.middleware import GuardMiddleware
 from tandem.rollout.serving.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.rollout.serving.server import build_app
+from tandem.rollout.serving.server import DrainingServer, uvicorn_server
 
 from .conftest import count_tokenizations
 
@@ -43,24 +42,33 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 @contextmanager
-def running_server(folder, engine_options: dict | None = None,
-                   **server_options) -> Iterator[tuple[str, LLMEngine]]:
+def running_uvicorn(folder, engine_options: dict | None = None, **server_options
+                    ) -> Iterator[tuple[str, LLMEngine, DrainingServer, threading.Thread]]:
     """A server for the model in ``folder`` (with ``engine_options``, default
-    ``ENGINE_OPTIONS``) on a free port of 127.0.0.1, in a thread."""
+    ``ENGINE_OPTIONS``) on a free port of 127.0.0.1, in a thread; also the uvicorn server
+    (``should_exit = True`` shuts it down, as SIGTERM does) and its thread."""
     engine = LLMEngine(EngineConfig(model=str(folder), **(engine_options or ENGINE_OPTIONS)))
     config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, **server_options)
     listener = socket.socket()
     listener.bind((HOST, 0))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config), log_level="warning"))
+    server = uvicorn_server(engine, config, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     try:
-        yield f"http://{HOST}:{listener.getsockname()[1]}", engine
+        yield f"http://{HOST}:{listener.getsockname()[1]}", engine, server, thread
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@contextmanager
+def running_server(folder, engine_options: dict | None = None,
+                   **server_options) -> Iterator[tuple[str, LLMEngine]]:
+    """``running_uvicorn``'s address and engine."""
+    with running_uvicorn(folder, engine_options, **server_options) as (url, engine, _, _):
+        yield url, engine
 
 
 def wait_until_idle(engine: LLMEngine) -> None:
@@ -426,28 +434,37 @@ def test_serve_options_build_both_configs_and_bind_localhost_by_default(llama_di
     assert server_config.enable_weight_transfer is False
 
 
-def test_tandem_serve_command_answers_on_localhost(llama_dir):
+@contextmanager
+def serve_command(folder, *options: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """``tandem serve folder --port P *options`` in a subprocess, once it answers /health;
+    the process and its address (SIGTERM and a wait end it, if the test did not)."""
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", str(llama_dir), "--port",
-         str(port), "--num-kv-blocks", "64", "--max-model-len", "128"],
+        [sys.executable, "-m", "tandem.cli", "serve", str(folder), "--port", str(port),
+         "--num-kv-blocks", "64", *options],
         env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)
+    url = f"http://{HOST}:{port}"
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and process.poll() is None:
             try:
-                if httpx.get(f"http://{HOST}:{port}/health").status_code == 200:
+                if httpx.get(f"{url}/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        models = httpx.get(f"http://{HOST}:{port}/v1/models").json()
-        assert models["data"][0]["id"] == str(llama_dir)
+        yield process, url
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_tandem_serve_command_answers_on_localhost(llama_dir):
+    with serve_command(llama_dir, "--max-model-len", "128") as (_, url):
+        models = httpx.get(f"{url}/v1/models").json()
+        assert models["data"][0]["id"] == str(llama_dir)
 
 
 @pytest.mark.parametrize("prompts", [[None], [1.5], ["a", None], [[True, False]]])
@@ -491,3 +508,105 @@ def test_metrics_can_require_the_api_key():
     scope = {"type": "http", "path": "/metrics", "headers": []}
     asyncio.run(guarded(scope, receive, send))
     assert sent[0]["status"] == 401
+
+
+def served_schema(url: str) -> dict:
+    return httpx.get(f"{url}/openapi.json", headers=AUTH).json()
+
+
+def test_health_answers_the_json_body_its_schema_documents(served):
+    url, _ = served
+    documented = served_schema(url)["paths"]["/health"]["get"]["responses"]["200"]["content"]
+    answer = httpx.get(f"{url}/health")
+    assert list(documented) == ["application/json"]
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {"status": "ok"}
+
+
+def test_metrics_are_documented_and_served_as_prometheus_text(served):
+    url, _ = served
+    documented = served_schema(url)["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert documented == {"text/plain; version=0.0.4": {"schema": {"type": "string"}}}
+    content_type = httpx.get(f"{url}/metrics").headers["content-type"]
+    assert content_type.split("; charset=")[0] == "text/plain; version=0.0.4"
+
+
+def test_schema_lists_openai_400_for_every_validating_route_and_never_422(served):
+    url, _ = served
+    schema = served_schema(url)
+    operations = {(method, path): operation for path, item in schema["paths"].items()
+                  for method, operation in item.items()}
+    validating = {key for key, operation in operations.items()
+                  if "requestBody" in operation or operation.get("parameters")}
+    assert {("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+            ("post", "/v1/rollouts"), ("post", "/pause"), ("post", "/sleep")} <= validating
+    error_body = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for key in validating:
+        assert operations[key]["responses"]["400"]["content"] == error_body, key
+    assert not [key for key, operation in operations.items() if "422" in operation["responses"]]
+    components = schema["components"]["schemas"]
+    assert "HTTPValidationError" not in components
+    assert set(components["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/rollouts"):
+        assert {"400", "401", "413", "503", "504"} <= set(operations["post", path]["responses"])
+    answer = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, json={"messages": "hi"})
+    assert answer.status_code == 400
+    assert set(answer.json()) == {"error"} and set(answer.json()["error"]) == set(
+        components["ErrorDetail"]["properties"])
+
+
+def test_schema_types_chat_messages_by_role_with_text_or_text_part_content(served):
+    components = served_schema(served[0])["components"]["schemas"]
+    messages = components["ChatCompletionRequest"]["properties"]["messages"]["items"]
+    assert messages["discriminator"]["propertyName"] == "role"
+    assert set(messages["discriminator"]["mapping"]) == {"system", "developer", "user",
+                                                         "assistant", "tool"}
+    content = components["UserMessage"]["properties"]["content"]["anyOf"]
+    assert content == [{"type": "string"}, {"type": "array", "items": {
+        "$ref": "#/components/schemas/TextContentPart"}}]
+    assert "tool_calls" in components["AssistantMessage"]["properties"]
+    assert "tool_call_id" in components["ToolMessage"]["properties"]
+
+
+TYPED_CONVERSATION = [
+    {"role": "system", "content": "Be brief.", "name": "rules"},
+    {"role": "developer", "content": [{"type": "text", "text": "Use digits."}]},
+    {"role": "user", "content": [{"type": "text", "text": "3*4"},
+                                 {"type": "text", "text": "?", "cache_control": {}}]},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "multiply", "arguments": '{"a": 3, "b": 4}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12"},
+    {"role": "assistant", "content": "12", "reasoning_content": "3*4=12"},
+]
+# As the chat template reads them: what was sent, content as text, arguments decoded.
+RENDERED_CONVERSATION = [
+    {"role": "system", "content": "Be brief.", "name": "rules"},
+    {"role": "developer", "content": "Use digits."},
+    {"role": "user", "content": "3*4?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "12"},
+    {"role": "assistant", "content": "12", "reasoning_content": "3*4=12"},
+]
+
+
+def test_typed_messages_reach_the_chat_template_as_sent():
+    request = ChatCompletionRequest.model_validate({"messages": TYPED_CONVERSATION})
+    assert request.conversation() == RENDERED_CONVERSATION
+
+
+@pytest.mark.parametrize("message", [
+    {"content": "no role"}, {"role": "robot", "content": "hi"}, {"role": "user"},
+    {"role": "user", "content": 5},
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    {"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]},
+], ids=["no-role", "unknown-role", "no-content", "number", "image-part", "no-arguments"])
+def test_malformed_messages_are_refused_with_400_naming_messages(served, message):
+    url, engine = served
+    answer = httpx.post(f"{url}/v1/chat/completions", headers=AUTH,
+                        json={"messages": [message], "max_tokens": 2})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "messages"
+    assert engine.stats()["kv_blocks_used"] == 0

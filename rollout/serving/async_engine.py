@@ -6,6 +6,10 @@ engine never has two callers at once. A request added while a step runs joins th
 the next step; an aborted one (its client went away) leaves right after the current step,
 and its blocks go back to the pool. Weight commits come from another thread (the weight
 receiver) and land between steps through the engine's lock.
+
+Admission is bounded (admission.py): past ``max_num_waiting`` requests accepted but not yet
+running, or once ``drain`` has begun, a new request is refused and nothing accepted is ever
+dropped. A request with a deadline is aborted when it passes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from .admission import Admission, Deadline, within
 from .metrics import ServerMetrics
 
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -36,6 +41,7 @@ class TrackedRequest:
     outputs: asyncio.Queue
     stream: bool
     arrival: float
+    deadline: Deadline | None = None
     num_output_tokens: int = 0
     last_token_time: float | None = None
 
@@ -45,6 +51,7 @@ class _StepReport:
     """What one step did, gathered on the engine thread."""
 
     finished: list[RequestOutput]
+    waiting: set[str]
     num_output_tokens: dict[str, int] = field(default_factory=dict)
     snapshots: dict[str, RequestOutput] = field(default_factory=dict)
 
@@ -53,11 +60,18 @@ class AsyncLLMEngine:
     """Drives an ``LLMEngine`` from asyncio: concurrent requests, streaming, abort, pause.
 
     Start the loop with ``start()`` inside a running event loop; ``shutdown()`` stops it.
+
+    Args:
+        engine: the engine it drives (nothing else may call it).
+        metrics: the server's counters and histograms, updated as requests go.
+        max_num_waiting: most requests accepted but not yet running (None: no bound).
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
+                 max_num_waiting: int | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.admission = Admission(max_num_waiting)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
         self._tracked: dict[str, TrackedRequest] = {}
         self._request_ids = itertools.count()
@@ -87,30 +101,62 @@ class AsyncLLMEngine:
 
     async def add_requests(self, prompts: Sequence[ProcessedPrompt],
                            params: Sequence[SamplingParams], stream: bool,
-                           prefix: str = "req") -> list[TrackedRequest]:
+                           prefix: str = "req", timeout: float | None = None
+                           ) -> list[TrackedRequest]:
         """Queue one request per prompt, all or none; follow each with ``outputs``.
 
-        While paused, waits for ``resume`` first.
+        While paused, waits for ``resume`` first. ``timeout`` (seconds from now, the pause's
+        wait included) bounds each request: ``outputs`` aborts it when it passes.
 
         Raises:
+            ServerUnavailableError, ValueError: as ``Admission.check``.
             ValueError: for any invalid prompt (nothing is queued then).
             EngineAsleepError: while the engine sleeps.
+            RequestTimeoutError: when the deadline passes during a pause.
         """
-        await self._admitting.wait()
+        self.admission.check(len(prompts))
+        deadline = Deadline.after(timeout)
+        self.admission.num_queued += len(prompts)
+        try:
+            await within(deadline, self._admitting.wait())
+            self.admission.check_open()  # a drain that began during the pause refuses it
+            return await self._add(prompts, params, stream, prefix, deadline)
+        finally:
+            self.admission.num_queued -= len(prompts)
+
+    async def _add(self, prompts: Sequence[ProcessedPrompt], params: Sequence[SamplingParams],
+                   stream: bool, prefix: str, deadline: Deadline | None
+                   ) -> list[TrackedRequest]:
         request_ids = [f"{prefix}-{next(self._request_ids)}" for _ in prompts]
         arrival = time.monotonic()
-        tracked = [TrackedRequest(r, asyncio.Queue(), stream, arrival) for r in request_ids]
+        tracked = [TrackedRequest(r, asyncio.Queue(), stream, arrival, deadline)
+                   for r in request_ids]
         # Tracked before the engine sees them, so a step that finishes one finds it.
         self._tracked.update((t.request_id, t) for t in tracked)
         try:
-            await self.call(self.engine.add_requests, request_ids, prompts, params)
+            waiting = await self.call(self._add_on_engine, request_ids, prompts, params)
         except BaseException:
             for request_id in request_ids:
-                self._tracked.pop(request_id, None)
+                self._untrack(request_id)
             self._update_state()
             raise
+        self._set_engine_waiting(waiting)
         self._update_state()
         return tracked
+
+    def _add_on_engine(self, request_ids: list[str], prompts: Sequence[ProcessedPrompt],
+                       params: Sequence[SamplingParams]) -> set[str]:
+        self.engine.add_requests(request_ids, prompts, params)
+        return self._waiting_request_ids()
+
+    def _waiting_request_ids(self) -> set[str]:
+        """The requests in the scheduler's waiting queue (a group waits as one sequence;
+        sequences preempted back there count their request once)."""
+        return {seq.request_id for seq in self.engine.scheduler.waiting}
+
+    def _set_engine_waiting(self, waiting: set[str]) -> None:
+        # Those untracked (aborted) while the engine thread counted are no longer ours.
+        self.admission.engine_waiting = {r for r in waiting if r in self._tracked}
 
     async def outputs(self, tracked: TrackedRequest) -> AsyncIterator[RequestOutput]:
         """The outputs of a queued request: snapshots (``finished`` False) when it streams,
@@ -122,7 +168,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             while not finished:
-                output = await tracked.outputs.get()
+                output = await within(tracked.deadline, tracked.outputs.get())
                 if isinstance(output, BaseException):
                     raise output
                 finished = output.finished
@@ -132,15 +178,20 @@ class AsyncLLMEngine:
                 self.abort(tracked.request_id)
 
     async def generate(self, prompts: Sequence[ProcessedPrompt],
-                       params: Sequence[SamplingParams], prefix: str = "req"
-                       ) -> list[RequestOutput]:
-        """Queue the prompts and return their final outputs, in order (cancelling aborts)."""
-        tracked = await self.add_requests(prompts, params, stream=False, prefix=prefix)
+                       params: Sequence[SamplingParams], prefix: str = "req",
+                       timeout: float | None = None) -> list[RequestOutput]:
+        """Queue the prompts and return their final outputs, in order (cancelling aborts).
+
+        Raises:
+            RequestTimeoutError: when ``timeout`` seconds pass first (all are aborted).
+            Exception: as ``add_requests`` and ``outputs``.
+        """
+        tracked = await self.add_requests(prompts, params, False, prefix, timeout)
         return list(await asyncio.gather(*(self._final(t) for t in tracked)))
 
     def abort(self, request_id: str) -> None:
         """Stop a request after the current step and free its blocks (without waiting)."""
-        if self._tracked.pop(request_id, None) is None:
+        if self._untrack(request_id) is None:
             return
         self.metrics.aborted_requests += 1
         self._executor.submit(self.engine.abort_request, request_id)
@@ -178,6 +229,21 @@ class AsyncLLMEngine:
         """True between ``pause`` and ``resume``."""
         return not self._admitting.is_set()
 
+    async def drain(self, timeout: float) -> None:
+        """Shut admission for good: new requests (and those a pause held) are refused from
+        now on, the tracked ones get ``timeout`` seconds to finish (a pause is lifted), and
+        what is left is then aborted (outputs so far, finish_reason "abort")."""
+        self.admission.draining = True
+        self.resume()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            await self._abort_all()
+
+    def _untrack(self, request_id: str) -> TrackedRequest | None:
+        self.admission.engine_waiting.discard(request_id)
+        return self._tracked.pop(request_id, None)
+
     async def _final(self, tracked: TrackedRequest) -> RequestOutput:
         async for output in self.outputs(tracked):
             if output.finished:
@@ -189,7 +255,7 @@ class AsyncLLMEngine:
         outputs = await self.call(lambda: [self.engine.abort_request(r) for r in request_ids])
         for request_id, output in zip(request_ids, outputs):
             # None: the engine had not seen it yet (its add was still queued); it runs on.
-            tracked = self._tracked.pop(request_id, None) if output is not None else None
+            tracked = self._untrack(request_id) if output is not None else None
             if tracked is not None:
                 self.metrics.aborted_requests += 1
                 tracked.outputs.put_nowait(output)
@@ -217,7 +283,7 @@ class AsyncLLMEngine:
             self._dispatch(report)
 
     def _step(self, watched: list[tuple[str, int, bool]]) -> _StepReport:
-        report = _StepReport(self.engine.step())
+        report = _StepReport(self.engine.step(), self._waiting_request_ids())
         for request_id, seen, stream in watched:
             num_output_tokens = self.engine.num_output_tokens(request_id)
             if num_output_tokens is None:
@@ -237,9 +303,10 @@ class AsyncLLMEngine:
         for output in report.finished:
             self._count_tokens(output.request_id,
                                sum(len(c.token_ids) for c in output.outputs), now)
-            tracked = self._tracked.pop(output.request_id, None)
+            tracked = self._untrack(output.request_id)
             if tracked is not None:
                 tracked.outputs.put_nowait(output)
+        self._set_engine_waiting(report.waiting)
         self._update_state()
 
     def _count_tokens(self, request_id: str, num_tokens: int, now: float) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -35,9 +37,30 @@ class ServerConfig:
     max_logprobs: int = field(default=20, metadata={"help": "most top log-probs per token."})
     weight_transfer_timeout: float = field(default=300.0, metadata={"help": (
         "seconds any weight-transfer step may wait for the trainer.")})
+    weight_transfer_allowed_hosts: str = field(default=LOOPBACK_HOSTS, metadata={"help": (
+        "the trainer addresses /init_weight_transfer_engine may make the server join, "
+        "comma-separated: host names, IP addresses, CIDR networks (10.0.0.0/8), or '*' "
+        "(quoted) for any; this machine only unless told otherwise.")})
+    max_num_waiting: int | None = field(default=None, metadata={"help": (
+        "most requests accepted but not yet running (queued for the engine, held by a "
+        "pause, or in its scheduler's waiting queue); past it a new request gets 503 with "
+        "Retry-After, and accepted ones are never dropped. A prompt counts once whatever "
+        "its n (its group waits and is admitted as one); a list of prompts counts each. "
+        "Default 16 x max_num_seqs: a trainer's step of thousands of prompts fits in one "
+        "call, while a flood is refused before it grows memory and latency without bound.")})
+    request_timeout: float | None = field(default=None, metadata={"help": (
+        "seconds a generation request may take from when it is queued (a pause's wait "
+        "included); a request's own ``timeout`` field applies when smaller. Past it the "
+        "request is aborted (its KV blocks freed) and answered 504, or its stream ends with "
+        "an error event and [DONE]. None: no deadline.")})
+    shutdown_timeout: float = field(default=20.0, metadata={"help": (
+        "on SIGTERM, seconds the running requests get to finish while new ones are refused; "
+        "what is left is then aborted (finish_reason abort) and the server exits 0. 20 so "
+        "the whole shutdown fits Kubernetes' default 30 s grace period.")})
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens"):
+        for name in ("max_body_bytes", "max_n", "max_tokens", "max_prompt_tokens",
+                     "max_num_waiting"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= 1.")
@@ -46,6 +69,15 @@ class ServerConfig:
                              "integer >= 0.")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port={self.port} is invalid: it must be in [0, 65535].")
-        if self.weight_transfer_timeout <= 0:
-            raise ValueError(f"weight_transfer_timeout={self.weight_transfer_timeout} is "
-                             "invalid: it must be > 0 seconds.")
+        try:
+            AllowedHosts.parse(self.weight_transfer_allowed_hosts)
+        except ValueError as exc:
+            raise ValueError(f"weight_transfer_allowed_hosts="
+                             f"{self.weight_transfer_allowed_hosts!r} is invalid: {exc}") from exc
+        for name in ("weight_transfer_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name}={value} is invalid: it must be > 0 seconds.")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: it must be "
+                             ">= 0 seconds (0 aborts the running requests at once).")

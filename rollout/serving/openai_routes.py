@@ -9,12 +9,24 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from ..input_processor import Prompt
-from .errors import APIError
+from .errors import APIError, error_responses
 from .metrics import CONTENT_TYPE
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import TandemServer
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
+# A whole answer is JSON, a streamed one server-sent events; refusals are OpenAI's errors.
+GENERATION_RESPONSES = {
+    200: {"description": "The completion (JSON), or with stream its server-sent events.",
+          "content": {"application/json": {}, "text/event-stream": {
+              "schema": {"type": "string"}}}},
+} | error_responses(404, 409, 503, 504)
+
+
+class PrometheusResponse(PlainTextResponse):
+    """Prometheus' text exposition format (its version 0.0.4)."""
+
+    media_type = CONTENT_TYPE
 
 
 def openai_routes(server: TandemServer) -> APIRouter:
@@ -22,8 +34,8 @@ def openai_routes(server: TandemServer) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
 
     @router.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -31,7 +43,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
             "id": server.model_name, "object": "model", "created": 0, "owned_by": "tandem",
             "max_model_len": server.engine.max_model_len}]}
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         if body.echo or body.suffix:
@@ -43,7 +55,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
         prompts = await server.process_prompts(_prompt_list(body.prompts()))
         return await server.openai_response(request, body, prompts, params, chat=False)
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         tools = body.template_tools()
@@ -58,10 +70,10 @@ def openai_routes(server: TandemServer) -> APIRouter:
         return await server.openai_response(request, body, prompts, params, chat=True,
                                             tool_calls=body.parses_tool_calls)
 
-    @router.get("/metrics")
-    async def metrics() -> Response:
+    @router.get("/metrics", response_class=PrometheusResponse)
+    async def metrics() -> PrometheusResponse:
         stats = await server.async_engine.call(server.engine.stats)
-        return PlainTextResponse(server.metrics.render(stats), media_type=CONTENT_TYPE)
+        return PrometheusResponse(server.metrics.render(stats))
 
     return router
 

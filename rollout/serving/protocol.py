@@ -6,15 +6,15 @@ name (vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``
 there is a request field too. Only the fields whose OpenAI shape differs are declared here:
 ``max_tokens`` (optional, the route picks the default), ``logprobs`` (a count for
 completions, a flag plus ``top_logprobs`` for chat), ``stop`` (a string or a list) and
-``stop_token_ids`` (null allowed). Chat completions take OpenAI's ``tools`` and
-``tool_choice`` (``auto`` and ``none``). Then Tandem's own bodies: ``/v1/rollouts`` and the
+``stop_token_ids`` (null allowed). Chat completions take OpenAI's typed ``messages``
+(messages.py), ``tools`` and ``tool_choice`` (``auto`` and ``none``). Tandem adds ``timeout``
+to every generating body. Then Tandem's own bodies: ``/v1/rollouts`` and the
 weight-transfer endpoints (vLLM's shapes).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from typing import Any, Literal
 
@@ -24,7 +24,12 @@ from ..input_processor import Prompt
 from ..llm import as_prompt_list, params_per_prompt
 from ..sampling_params import SamplingParams
 from .errors import APIError
+from .messages import ChatMessage, templated
 
+TIMEOUT = Field(default=None, gt=0, allow_inf_nan=False, description=(
+    "Tandem's extension: seconds this request may take from when it is queued; the server's "
+    "--request-timeout applies when smaller. Past it the request is aborted and answered "
+    "504 (a stream ends with an error event)."))
 # Set by each route in its OpenAI shape, then passed to ``SamplingRequest.sampling_params``.
 ROUTE_CHOSEN = ("max_tokens", "logprobs")
 OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
@@ -68,6 +73,7 @@ class SamplingRequest(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    timeout: float | None = TIMEOUT
 
     @field_validator("stop", "stop_token_ids")
     @classmethod
@@ -138,7 +144,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: a conversation, with the model's chat template applied
     (and ``tools`` rendered by it)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -155,7 +161,7 @@ class ChatCompletionRequest(SamplingRequest):
         Raises:
             APIError: for tool-call arguments that are not JSON.
         """
-        return [_templated(message) for message in self.messages]
+        return [templated(message) for message in self.messages]
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -193,32 +199,6 @@ class ChatCompletionRequest(SamplingRequest):
                        "structured outputs): use 'auto' or 'none'.", param="tool_choice")
 
 
-def _templated(message: dict[str, Any]) -> dict[str, Any]:
-    templated = {**message, "content": _text_of(message.get("content"))}
-    if isinstance(message.get("tool_calls"), list):
-        templated["tool_calls"] = [_arguments_decoded(call) for call in message["tool_calls"]]
-    return templated
-
-
-def _arguments_decoded(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = json.loads(function["arguments"])
-    except ValueError as exc:
-        raise APIError(400, f"the arguments of a tool call in messages are not JSON ({exc}): "
-                       f"{function['arguments']!r}.", param="messages") from exc
-    return {**call, "function": {**function, "arguments": arguments}}
-
-
-def _text_of(content: Any) -> str:
-    if isinstance(content, list):
-        return "".join(part.get("text", "") for part in content
-                       if isinstance(part, dict) and part.get("type") == "text")
-    return "" if content is None else str(content)
-
-
 class RolloutRequest(BaseModel):
     """``POST /v1/rollouts``: ``LLM.generate``'s arguments as JSON.
 
@@ -228,6 +208,7 @@ class RolloutRequest(BaseModel):
 
     prompts: str | list[Any]
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    timeout: float | None = TIMEOUT
 
     def prompt_list(self) -> list[Prompt]:
         """The prompts as a list (ValueError when there are none)."""

@@ -10,8 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from .errors import error_responses
 from .protocol import RolloutRequest
-from .state import TandemServer, until_disconnected
+from .state import TandemServer
 
 
 def rl_routes(server: TandemServer) -> APIRouter:
@@ -25,15 +26,14 @@ def rl_routes(server: TandemServer) -> APIRouter:
 def _rollout_routes(server: TandemServer) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/rollouts")
+    @router.post("/v1/rollouts", responses=error_responses(409, 503, 504))
     async def rollouts(body: RolloutRequest, request: Request) -> dict[str, Any]:
         prompts = body.prompt_list()
         params = body.sampling_params_per_prompt(len(prompts))
         for p in params:
             server.check_limits(p)
         processed = await server.process_prompts(prompts)
-        outputs = await until_disconnected(
-            request, server.async_engine.generate(processed, params, "rollout"))
+        outputs = await server.generate(request, processed, params, "rollout", body.timeout)
         return {"outputs": [o.to_dict() for o in outputs],
                 "weight_version": server.engine.weight_version}
 

@@ -7,25 +7,38 @@ request, the error handlers, and three groups of routes sharing one ``TandemServ
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``,
 ``/is_paused``, ``/server_info``, ``/get_world_size`` (``rl_routes``); and, with
 ``enable_weight_transfer``, ``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update`` (``weight_transfer_routes``).
+``/update_weights``, ``/finish_weight_update`` (``weight_transfer_routes``). Its
+``/openapi.json`` says what it answers (openapi.py).
+
+``serve`` shuts down gracefully on SIGTERM: uvicorn stops listening, the loop refuses new
+requests (503) and gives the running ones ``shutdown_timeout`` seconds, then aborts the rest
+(their streams end with finish_reason "abort" and [DONE]), and the process exits 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import asyncio
+import signal
+import socket
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import uvicorn
 from fastapi import FastAPI
 
 from ..engine import LLMEngine
+from .async_engine import AsyncLLMEngine
 from .config import ServerConfig
 from .errors import add_error_handlers
 from .middleware import GuardMiddleware
 from .openai_routes import openai_routes
+from .openapi import install_openapi
 from .rl_routes import rl_routes
 from .state import TandemServer
 from .weight_transfer_routes import weight_transfer_routes
+
+# uvicorn's own deadline, past the drain's: the aborted requests' last bytes get written.
+SHUTDOWN_MARGIN_SECONDS = 5.0
 
 
 def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
@@ -46,10 +59,66 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     add_error_handlers(app)
     for routes in (openai_routes, rl_routes, weight_transfer_routes):
         app.include_router(routes(server))
+    install_openapi(app, config.api_key is not None, open_paths)
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown drains the engine first: it stops listening, the
+    loop refuses new requests, the running ones get ``shutdown_timeout`` seconds and the
+    rest are aborted, so every response ends before uvicorn closes the connections.
+
+    Args:
+        config: uvicorn's configuration (its ``timeout_graceful_shutdown`` the backstop).
+        async_engine: the loop to drain.
+        shutdown_timeout: seconds the running requests get.
+    """
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine,
+                 shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """Drain (concurrently with uvicorn's wait for the connections), then uvicorn's
+        shutdown: close the connections, run the lifespan's end."""
+        drain = asyncio.ensure_future(self.async_engine.drain(self.shutdown_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            drain.cancel()
+
+
+def uvicorn_server(engine: LLMEngine, config: ServerConfig,
+                   log_level: str = "info") -> DrainingServer:
+    """The uvicorn server of ``build_app(engine, config)`` on ``config.host:config.port``,
+    draining on shutdown (start it with ``run()``, or ``run(sockets=...)``)."""
+    app = build_app(engine, config)
+    uvicorn_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout + SHUTDOWN_MARGIN_SECONDS)
+    return DrainingServer(uvicorn_config, app.state.server.async_engine,
+                          config.shutdown_timeout)
+
+
 def serve(engine: LLMEngine, config: ServerConfig) -> None:
-    """Serve ``engine`` until interrupted (uvicorn on ``config.host:config.port``)."""
-    uvicorn.run(build_app(engine, config), host=config.host, port=config.port,
-                log_level="info", timeout_graceful_shutdown=5)
+    """Serve ``engine`` on ``config.host:config.port`` until SIGTERM or Ctrl-C, then shut
+    down gracefully (``DrainingServer``) and return."""
+    with _sigterm_returns():
+        uvicorn_server(engine, config).run()
+
+
+@contextmanager
+def _sigterm_returns() -> Iterator[None]:
+    """Make a SIGTERM that uvicorn handled end ``serve`` normally (so the process exits 0).
+
+    After a graceful shutdown uvicorn raises the signal again under the handler it found;
+    Python's default handler would then kill the process (exit 143). uvicorn installs its
+    own handler while it serves, so this one only ever sees that second signal.
+    """
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -24,13 +24,14 @@ from ..sampling_params import SamplingParams
 from ..tool_calls import ToolCallParser
 from .async_engine import AsyncLLMEngine, TrackedRequest
 from .config import ServerConfig
-from .errors import APIError, error_body
+from .errors import APIError, stream_error
 from .metrics import ServerMetrics
 from .protocol import SamplingRequest
 from .responses import DeltaTracker, ResponseBuilder, usage
 from .weight_transfer import WeightTransfer
 
 T = TypeVar("T")
+WAITING_PER_SEQ = 16  # the default max_num_waiting, in multiples of max_num_seqs
 
 
 class TandemServer:
@@ -49,7 +50,9 @@ class TandemServer:
         self.model_name = config.served_model_name or str(engine.config.model)
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
         self.metrics = ServerMetrics(self.model_name)
-        self.async_engine = AsyncLLMEngine(engine, self.metrics)
+        self.async_engine = AsyncLLMEngine(
+            engine, self.metrics,
+            config.max_num_waiting or WAITING_PER_SEQ * engine.config.max_num_seqs)
         self.responses = ResponseBuilder(engine.tokenizer, self.model_name)
         self.weight_transfer = WeightTransfer(
             engine, timedelta(seconds=config.weight_transfer_timeout),
@@ -76,12 +79,15 @@ class TandemServer:
 
     async def process_prompts(self, prompts: list[Prompt]) -> list[ProcessedPrompt]:
         """Every prompt tokenized once (on the engine thread) and checked, refusing one
-        over ``max_prompt_tokens``.
+        over ``max_prompt_tokens``; an overloaded or draining server refuses them first,
+        before spending any work on them.
 
         Raises:
+            ServerUnavailableError: as ``Admission.check``.
             APIError: for a prompt over the limit.
-            ValueError: for a prompt the engine refuses.
+            ValueError: for a prompt the engine refuses, or more than ``max_num_waiting``.
         """
+        self.async_engine.admission.check(len(prompts))
         processed = await self.async_engine.call(
             lambda: [self.engine.process_prompt(prompt) for prompt in prompts])
         for ids in (p.prompt_token_ids for p in processed):
@@ -99,6 +105,24 @@ class TandemServer:
         self.check_limits(params)
         return params
 
+    def timeout(self, requested: float | None) -> float | None:
+        """A request's deadline in seconds: the smaller of ``request_timeout`` and the
+        request's own ``timeout`` (None: neither is set)."""
+        given = [t for t in (self.config.request_timeout, requested) if t is not None]
+        return min(given, default=None)
+
+    async def generate(self, request: Request, prompts: list[ProcessedPrompt],
+                       params: list[SamplingParams], prefix: str,
+                       timeout: float | None) -> list[RequestOutput]:
+        """The prompts' final outputs, unless the client goes away (all aborted).
+
+        Raises:
+            RequestTimeoutError: when ``self.timeout(timeout)`` passes first (all aborted).
+            APIError: 499 when the client went away.
+        """
+        return await until_disconnected(request, self.async_engine.generate(
+            prompts, params, prefix, self.timeout(timeout)))
+
     async def openai_response(self, request: Request, body: SamplingRequest,
                               prompts: list[ProcessedPrompt], params: SamplingParams,
                               chat: bool, tool_calls: bool = False) -> Response:
@@ -106,13 +130,13 @@ class TandemServer:
         ``tool_calls`` each chat completion's text is parsed into content and tool calls."""
         prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         if body.stream:
-            tracked = await self.async_engine.add_requests(prompts, [params] * len(prompts),
-                                                           True, prefix)
+            tracked = await self.async_engine.add_requests(
+                prompts, [params] * len(prompts), True, prefix, self.timeout(body.timeout))
             return StreamingResponse(
                 self._events(body, tracked, params, prefix, chat, tool_calls),
                 media_type="text/event-stream")
-        outputs = await until_disconnected(
-            request, self.async_engine.generate(prompts, [params] * len(prompts), prefix))
+        outputs = await self.generate(request, prompts, [params] * len(prompts), prefix,
+                                      body.timeout)
         choices = [self._choice(body, output, completion, i * params.n, chat, stream=False,
                                 parser=ToolCallParser() if tool_calls else None)
                    for i, output in enumerate(outputs) for completion in output.outputs]
@@ -161,12 +185,12 @@ class TandemServer:
             if body.include_usage:
                 yield _event(self.responses.envelope(prefix, obj, created, [], max(
                     o.weight_version for o in finals)) | {"usage": usage(finals)})
-            yield "data: [DONE]\n\n"
         except Exception as exc:  # the stream has begun: report in it, as vLLM does
-            yield _event(error_body(str(exc), "internal_server_error", code=500))
+            yield _event(stream_error(exc))
         finally:
             for tracked_request in tracked:
                 self.async_engine.abort(tracked_request.request_id)
+        yield "data: [DONE]\n\n"
 
 
 def _event(payload: dict[str, Any]) -> str:
