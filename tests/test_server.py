@@ -337,9 +337,11 @@ def test_every_sampling_params_field_is_an_openai_request_field_reaching_samplin
     completion = CompletionRequest.model_validate({"prompt": "x", **values})
     assert completion.sampling_params(completion.max_tokens, completion.logprobs) == expected
     chat_values = {k: v for k, v in values.items() if k != "logprobs"}  # a flag in chat
-    chat = ChatCompletionRequest.model_validate({"messages": [], **chat_values})
+    user = [{"role": "user", "content": "x"}]
+    chat = ChatCompletionRequest.model_validate({"messages": user, **chat_values})
     assert chat.sampling_params(chat.max_tokens, values["logprobs"]) == expected
-    for request in (CompletionRequest(prompt="x"), ChatCompletionRequest(messages=[])):
+    for request in (CompletionRequest(prompt="x"),
+                    ChatCompletionRequest.model_validate({"messages": user})):
         assert request.sampling_params(16, None) == SamplingParams(max_tokens=16)
 
 
@@ -610,3 +612,28 @@ def test_malformed_messages_are_refused_with_400_naming_messages(served, message
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "messages"
     assert engine.stats()["kv_blocks_used"] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_of_dropped_tokens_are_json(llama_dir, stream):
+    """Found by the soak: top log-probs beyond top_k's kept set are -inf, which is not JSON;
+    they are sent as vLLM's -9999.0, streamed or not, as are the rollouts' thresholds."""
+    with running_server(llama_dir) as (url, engine):
+        body = {"model": MODEL, "prompt": "The quick", "max_tokens": 4, "logprobs": 3,
+                "top_k": 2, "stream": stream}
+        response = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert response.status_code == 200
+        if stream:
+            chunks = [line[6:] for line in response.text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            tops = [entry for chunk in chunks for choice in json.loads(chunk)["choices"]
+                    for entry in (choice["logprobs"] or {}).get("top_logprobs") or []]
+        else:
+            tops = response.json()["choices"][0]["logprobs"]["top_logprobs"]
+        assert tops and all(sorted(top.values())[0] == -9999.0 for top in tops)
+        rollout = httpx.post(f"{url}/v1/rollouts", headers=AUTH, timeout=60, json={
+            "prompts": ["The quick"], "sampling_params": {"max_tokens": 3, "min_p": 1e-9,
+                                                          "logprobs": 3}})
+        assert rollout.status_code == 200, rollout.text
+        completion = rollout.json()["outputs"][0]["outputs"][0]
+        assert completion["sampling_thresholds"] == [-9999.0] * 3  # min_p drops nothing

@@ -134,7 +134,9 @@ async def _unavailable(_: Request, exc: ServerUnavailableError) -> JSONResponse:
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return _answer(exc.status_code, str(exc.detail))
+    response = _answer(exc.status_code, str(exc.detail))
+    response.headers.update(exc.headers or {})  # e.g. the Allow of a 405
+    return response
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -15,11 +15,13 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import TandemServer
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
-# A whole answer is JSON, a streamed one server-sent events; refusals are OpenAI's errors.
+# A whole answer is JSON, a streamed one server-sent events (each a ``data`` line: a chunk
+# as JSON, then ``[DONE]``); refusals are OpenAI's errors.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string"}, "event": {"type": "string"}}}
 GENERATION_RESPONSES = {
     200: {"description": "The completion (JSON), or with stream its server-sent events.",
-          "content": {"application/json": {}, "text/event-stream": {
-              "schema": {"type": "string"}}}},
+          "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}}},
 } | error_responses(404, 409, 503, 504)
 
 

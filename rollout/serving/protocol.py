@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
 
@@ -30,6 +30,11 @@ TIMEOUT = Field(default=None, gt=0, allow_inf_nan=False, description=(
     "Tandem's extension: seconds this request may take from when it is queued; the server's "
     "--request-timeout applies when smaller. Past it the request is aborted and answered "
     "504 (a stream ends with an error event)."))
+# The schema says what the server refuses: no empty prompt, text or list, no negative id
+# (a fuzzer's schema-valid request must be one the server takes).
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+OnePrompt = Text | TokenIds
 # Set by each route in its OpenAI shape, then passed to ``SamplingRequest.sampling_params``.
 ROUTE_CHOSEN = ("max_tokens", "logprobs")
 OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
@@ -52,7 +57,10 @@ def _sampling_fields() -> dict[str, tuple[Any, Any]]:
             for field in dataclasses.fields(SamplingParams) if field.name not in OPENAI_SHAPED}
 
 
-_SamplingFields = create_model("SamplingFields", __config__=ConfigDict(extra="ignore"),
+# strict: a field takes its JSON type only (no "2" or 2.0 for an int, no 1 for a bool), as
+# the schema says; a float still takes an integer.
+_SamplingFields = create_model("SamplingFields",
+                               __config__=ConfigDict(extra="ignore", strict=True),
                                **_sampling_fields())
 
 
@@ -97,7 +105,8 @@ class SamplingRequest(_SamplingFields):
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt or several, each text or token ids."""
 
-    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    prompt: OnePrompt | Annotated[list[Text], Field(min_length=1)] | \
+        Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -144,7 +153,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``: a conversation, with the model's chat template applied
     (and ``tools`` rendered by it)."""
 
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -206,8 +215,9 @@ class RolloutRequest(BaseModel):
     ``SamplingParams`` fields, one object for all prompts or one each.
     """
 
-    prompts: str | list[Any]
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    prompts: OnePrompt | Annotated[list[OnePrompt], Field(min_length=1)]
+    sampling_params: dict[str, Any] | Annotated[list[dict[str, Any]], Field(min_length=1)] | \
+        None = None
     timeout: float | None = TIMEOUT
 
     def prompt_list(self) -> list[Prompt]:

@@ -17,10 +17,39 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..tool_calls import ToolCall, ToolCallParser
+
+# JSON has no infinity: -inf (a top log-prob of a token the sampler dropped, the threshold of
+# a step that dropped nothing) is sent as vLLM's stand-in.
+NEGATIVE_INFINITY_IN_JSON = -9999.0
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` (JSON-ready data) with every -inf float as ``NEGATIVE_INFINITY_IN_JSON``."""
+    if isinstance(value, float):
+        return NEGATIVE_INFINITY_IN_JSON if value == float("-inf") else value
+    if isinstance(value, dict):
+        return {key: json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(item) for item in value]
+    return value
+
+
+class SafeJSONResponse(JSONResponse):
+    """The server's JSON responses: ``json_safe`` content (a bare -inf is not JSON)."""
+
+    def render(self, content: Any) -> bytes:
+        """The body: ``content`` made ``json_safe``, as strict JSON."""
+        return super().render(json_safe(content))
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload`` as ``json_safe`` JSON."""
+    return f"data: {json.dumps(json_safe(payload), allow_nan=False)}\n\n"
 
 
 @dataclass(slots=True)

@@ -6,12 +6,13 @@ and ``/get_world_size``."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from .errors import error_responses
 from .protocol import RolloutRequest
+from .responses import json_safe
 from .state import TandemServer
 
 
@@ -34,8 +35,8 @@ def _rollout_routes(server: TandemServer) -> APIRouter:
             server.check_limits(p)
         processed = await server.process_prompts(prompts)
         outputs = await server.generate(request, processed, params, "rollout", body.timeout)
-        return {"outputs": [o.to_dict() for o in outputs],
-                "weight_version": server.engine.weight_version}
+        return json_safe({"outputs": [o.to_dict() for o in outputs],
+                          "weight_version": server.engine.weight_version})
 
     return router
 
@@ -50,7 +51,8 @@ def _sleep_routes(server: TandemServer) -> APIRouter:
         return {}
 
     @router.post("/sleep")
-    async def sleep(level: int = 1) -> dict[str, Any]:
+    async def sleep(level: Annotated[int, Query(ge=1, le=2, description=(
+            "1 frees the KV pool, 2 also moves the weights to CPU."))] = 1) -> dict[str, Any]:
         await async_engine.call(engine.sleep, level)
         return {}
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -15,7 +14,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
@@ -27,7 +26,7 @@ from .config import ServerConfig
 from .errors import APIError, stream_error
 from .metrics import ServerMetrics
 from .protocol import SamplingRequest
-from .responses import DeltaTracker, ResponseBuilder, usage
+from .responses import DeltaTracker, ResponseBuilder, SafeJSONResponse, sse_event, usage
 from .weight_transfer import WeightTransfer
 
 T = TypeVar("T")
@@ -145,7 +144,7 @@ class TandemServer:
             choices, max(o.weight_version for o in outputs))
         if chat and body.return_token_ids:
             envelope["prompt_token_ids"] = outputs[0].prompt_token_ids
-        return JSONResponse(envelope | {"usage": usage(outputs)})
+        return SafeJSONResponse(envelope | {"usage": usage(outputs)})
 
     def _choice(self, body: SamplingRequest, output: RequestOutput, completion: Any,
                 offset: int, chat: bool, stream: bool,
@@ -166,7 +165,7 @@ class TandemServer:
         finals: list[RequestOutput] = []
         try:
             if chat:
-                yield _event(self.responses.envelope(prefix, obj, created, [
+                yield sse_event(self.responses.envelope(prefix, obj, created, [
                     {"index": i, "delta": {"role": "assistant", "content": ""},
                      "logprobs": None, "finish_reason": None} for i in range(params.n)],
                     self.engine.weight_version))
@@ -178,23 +177,19 @@ class TandemServer:
                     for delta in deltas.deltas(output):
                         choice = self._choice(body, output, delta, i * params.n, chat, True,
                                               parsers[delta.index] if tool_calls else None)
-                        yield _event(self.responses.envelope(prefix, obj, created, [choice],
+                        yield sse_event(self.responses.envelope(prefix, obj, created, [choice],
                                                              output.weight_version))
                     if output.finished:
                         finals.append(output)
             if body.include_usage:
-                yield _event(self.responses.envelope(prefix, obj, created, [], max(
+                yield sse_event(self.responses.envelope(prefix, obj, created, [], max(
                     o.weight_version for o in finals)) | {"usage": usage(finals)})
         except Exception as exc:  # the stream has begun: report in it, as vLLM does
-            yield _event(stream_error(exc))
+            yield sse_event(stream_error(exc))
         finally:
             for tracked_request in tracked:
                 self.async_engine.abort(tracked_request.request_id)
         yield "data: [DONE]\n\n"
-
-
-def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
