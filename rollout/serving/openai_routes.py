@@ -65,6 +65,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
         max_tokens = _first_set(body.max_completion_tokens, body.max_tokens,
                                 server.config.max_tokens)
         params = server.sampling_params(body, max_tokens, logprobs)
+        server.async_engine.admission.check(1)  # before the template's turn on the engine
         prompt = await server.async_engine.call(server.engine.apply_chat_template,
                                                 body.conversation(), body.add_generation_prompt,
                                                 tools)
