@@ -4,6 +4,7 @@ sampling, for single-turn completions and for episodes alike."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -317,3 +318,25 @@ def test_partial_training_on_episodes_ends_with_nothing_held(llama_dir, tmp_path
     assert all("staleness_mean" in m and m["episode_turns"] >= 1 for m in history)
     stats = trainer.llm.stats()
     assert stats["kv_blocks_used"] == 0 and stats["held_sequences"] == 0
+
+
+def test_evaluation_mid_run_with_partial_rollouts_scores_exactly_the_held_out_prompts(
+        llama_dir, tmp_path):
+    """Found by the partial-rewards benchmark: evaluation ran with the partial collector's
+    over-provisioning (scoring training prompts) and tripped over carried groups."""
+    held_out = [{"prompt": f"Held out {i}: one"} for i in range(3)]
+    task = Task(lambda seed, index: {"prompt": "Count: " + "one two " * (index % 5)}, held_out,
+                {"even": first_token_even}, [("even", 1.0)])
+    config = replace(train_config(llama_dir, tmp_path, 2, max_tokens=6,
+                                  partial=PartialRolloutConfig(enabled=True)), eval_size=3)
+    trainer = Trainer(config, task=task)
+    trainer.train_step()
+    scored = []
+    score = trainer._score_group
+    trainer._score_group = lambda group: (scored.append(group.example["prompt"]), score(group))
+    assert "accuracy" in trainer.evaluate()
+    assert sorted(scored) == sorted(example["prompt"] for example in held_out)
+    assert not trainer.llm.engine.has_unfinished_requests()
+    assert trainer.llm.stats()["kv_blocks_used"] == 0
+    trainer._score_group = score
+    assert trainer.train_step()["reward"] >= 0  # and training goes on after it

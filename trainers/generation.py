@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from tandem.rollout import LLM
 
-from .config import RolloutConfig
+from .config import DynamicSamplingConfig, PartialRolloutConfig, RolloutConfig
 from .environments import Environment
 from .episodes import Trajectory
 from .groups import CompletionSource, EpisodeSource, Group, GroupCollector
@@ -101,6 +101,13 @@ class RolloutBatch:
             sampling_thresholds=None if thresholds[0] is None
             else [row for rows in thresholds for row in rows],
             metrics=metrics)
+
+
+def evaluation_rollout(config: RolloutConfig) -> RolloutConfig:
+    """The held-out evaluation's rollout: greedy, one completion per prompt, every prompt to
+    its end (no dynamic sampling, no partial rollouts)."""
+    return replace(config, num_generations=1, temperature=0.0,
+                   dynamic_sampling=DynamicSamplingConfig(), partial=PartialRolloutConfig())
 
 
 def make_collector(llm: LLM, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from .checkpoints import (
     save_trainer_state,
     staged_folder,
 )
-from .config import DynamicSamplingConfig, RolloutConfig, TrainConfig, to_dict
+from .config import RolloutConfig, TrainConfig, to_dict
 from .data_parallel import (
     all_reduce_metrics,
     full_named_parameters,
@@ -45,6 +44,7 @@ from .data_parallel import (
 from .generation import (
     RolloutBatch,
     engine_round_metrics,
+    evaluation_rollout,
     generate_groups,
     make_collector,
     timed_sleep,
@@ -345,10 +345,10 @@ class Trainer:
         if not size:
             return {}
         timed_wake(self.llm)
+        if self.partial is not None:  # a step boundary, as a checkpoint: its own requests only
+            self.partial.drop_carried()
         examples = self.task.eval_examples[:size][self.context.rank::self.context.world_size]
-        greedy = replace(self.config.rollout, num_generations=1, temperature=0.0,
-                         dynamic_sampling=DynamicSamplingConfig())
-        batch = self._rollouts(examples, seed=0, rollout=greedy)
+        batch = self._rollouts(examples, seed=0, rollout=evaluation_rollout(self.config.rollout))
         metrics = {f"eval_{name}": float(values.mean())
                    for name, values in batch.per_function.items()}
         accuracy_reward = self.config.eval_reward or self.rewards[0].name
