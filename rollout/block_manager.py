@@ -224,13 +224,11 @@ class BlockManager:
         after the blocks ``hits`` (checked, so a colliding digest never serves foreign KV)."""
         block = self.blocks[block_id]
         return (block.token_ids == tokens and block.extra_key == self.extra_key
-                and block.parent == self._ref(hits))
+                and block.parent == self._ref(hits[-1] if hits else None))
 
-    def _ref(self, block_table: list[int]) -> BlockRef | None:
-        """The reference to the last block of ``block_table`` (None for an empty one)."""
-        if not block_table:
-            return None
-        return block_table[-1], self.blocks[block_table[-1]].generation
+    def _ref(self, block_id: int | None) -> BlockRef | None:
+        """The reference to ``block_id``'s current occupancy (None for no block)."""
+        return None if block_id is None else (block_id, self.blocks[block_id].generation)
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Hash and cache each of ``seq``'s blocks that its first ``num_tokens`` tokens fill."""
@@ -242,7 +240,7 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
             self._register(seq.block_table[index], seq.block_hashes[-1], tokens,
-                           self._ref(seq.block_table[:index]))
+                           self._ref(seq.block_table[index - 1] if index else None))
 
     def _register(self, block_id: int, hash_value: bytes, tokens: tuple[int, ...],
                   parent: BlockRef | None) -> None:

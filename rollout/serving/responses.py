@@ -17,7 +17,6 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fastapi.responses import JSONResponse
 from transformers import PreTrainedTokenizerBase
 
 from ..outputs import CompletionOutput, RequestOutput
@@ -37,14 +36,6 @@ def json_safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [json_safe(item) for item in value]
     return value
-
-
-class SafeJSONResponse(JSONResponse):
-    """The server's JSON responses: ``json_safe`` content (a bare -inf is not JSON)."""
-
-    def render(self, content: Any) -> bytes:
-        """The body: ``content`` made ``json_safe``, as strict JSON."""
-        return super().render(json_safe(content))
 
 
 def sse_event(payload: dict[str, Any]) -> str:

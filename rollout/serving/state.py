@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
@@ -26,7 +26,7 @@ from .config import ServerConfig
 from .errors import APIError, stream_error
 from .metrics import ServerMetrics
 from .protocol import SamplingRequest
-from .responses import DeltaTracker, ResponseBuilder, SafeJSONResponse, sse_event, usage
+from .responses import DeltaTracker, ResponseBuilder, json_safe, sse_event, usage
 from .weight_transfer import WeightTransfer
 
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class TandemServer:
             choices, max(o.weight_version for o in outputs))
         if chat and body.return_token_ids:
             envelope["prompt_token_ids"] = outputs[0].prompt_token_ids
-        return SafeJSONResponse(envelope | {"usage": usage(outputs)})
+        return JSONResponse(json_safe(envelope | {"usage": usage(outputs)}))
 
     def _choice(self, body: SamplingRequest, output: RequestOutput, completion: Any,
                 offset: int, chat: bool, stream: bool,
