@@ -9,10 +9,12 @@ and its token ids. A hit is never trusted on the digest alone (a collision would
 another prompt's KV, in a shared server another client's: vLLM's CVE-2025-25183): the
 cached block must hold the same tokens under the same extra key, and follow the very block
 (and the same occupancy of it, its ``generation``) the lookup matched just before. A
-freed block keeps its hash, and so its cached content, until it is reused; the free queue
-hands out the least recently freed block first (and blocks never used only when no freed
-one is left), and a sequence frees its blocks last block first, so a chain's tail is
-evicted before its head.
+freed block keeps its hash, and so its cached content, until it is evicted. Free blocks
+that hold no cached content are handed out first (the most recently freed first, whose
+memory is resident, then those never used); cached ones only when none is left, least
+recently used first, as vLLM's free queue does. A sequence frees its blocks last block
+first, so a chain's tail is evicted before its head. The pool's resident memory can so
+grow to its configured size: that is what the cache is for.
 """
 
 from __future__ import annotations
@@ -101,11 +103,11 @@ class BlockManager:
         # The engine sets this to (weight_version, lora_id) whenever the weights change.
         self.extra_key: ExtraKey = (0, None)
         self.blocks = [Block(i) for i in range(num_blocks)]
-        # Freed blocks in least-recently-freed order, handed out before blocks never used:
-        # a used block's memory is already resident (on CPU untouched pool pages cost no
-        # memory), and in RL a weight update soon invalidates its cached content anyway.
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict()
-        self.untouched_block_ids: deque[int] = deque(range(num_blocks))
+        # Free blocks without cached content, the most recently freed first (resident
+        # memory; on CPU untouched pool pages cost none), then those never used.
+        self.empty_block_ids: deque[int] = deque(range(num_blocks))
+        # Free blocks with cached content, least recently used first: evicted in that order.
+        self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached_block_ids: dict[bytes, int] = {}
         self.num_cow_copies = 0
         self.num_queried_tokens = 0
@@ -114,7 +116,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that no sequence holds (some may still hold cached content)."""
-        return len(self.free_block_ids) + len(self.untouched_block_ids)
+        return len(self.empty_block_ids) + len(self.cached_free_block_ids)
 
     @property
     def num_used_blocks(self) -> int:
@@ -124,7 +126,7 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold a registered hash (reusable by a cache hit)."""
-        return sum(self.blocks[b].block_hash is not None for b in self.free_block_ids)
+        return len(self.cached_free_block_ids)
 
     def allocate_slots(self, seq: Sequence, token_budget: int,
                        use_cache: bool = True) -> SlotAllocation | None:
@@ -195,7 +197,7 @@ class BlockManager:
                 raise RuntimeError(f"double free of KV block {block_id}")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
+                self._release(block)
         seq.block_table.clear()
         seq.block_hashes.clear()
 
@@ -204,6 +206,8 @@ class BlockManager:
         for block_id in self.cached_block_ids.values():
             self._forget(self.blocks[block_id])
         self.cached_block_ids.clear()
+        self.empty_block_ids.extendleft(self.cached_free_block_ids)
+        self.cached_free_block_ids.clear()
 
     def _lookup(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s leading full blocks (at least one token left)."""
@@ -270,12 +274,20 @@ class BlockManager:
         while len(seq.block_table) < num_blocks_for(num_tokens, self.block_size):
             seq.block_table.append(self._pop_free())
 
-    def _pop_free(self) -> int:
-        """The least recently freed block (its cached content evicted), else an unused one."""
-        if self.free_block_ids:
-            block_id, _ = self.free_block_ids.popitem(last=False)
+    def _release(self, block: Block) -> None:
+        """Put a block no sequence holds any more on the free queue its content calls for."""
+        if block.block_hash is None:
+            self.empty_block_ids.appendleft(block.block_id)
         else:
-            block_id = self.untouched_block_ids.popleft()
+            self.cached_free_block_ids[block.block_id] = None
+
+    def _pop_free(self) -> int:
+        """A free block without cached content, else the least recently used cached one
+        (its content evicted)."""
+        if self.empty_block_ids:
+            block_id = self.empty_block_ids.popleft()
+        else:
+            block_id, _ = self.cached_free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
             if self.cached_block_ids.get(block.block_hash) == block_id:
@@ -293,5 +305,5 @@ class BlockManager:
         """Add a reference to a cached block, taking it off the free queue if it was free."""
         block = self.blocks[block_id]
         if block.ref_count == 0:
-            del self.free_block_ids[block_id]
+            del self.cached_free_block_ids[block_id]
         block.ref_count += 1

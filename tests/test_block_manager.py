@@ -10,8 +10,6 @@ version equal the sequence's own.
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -158,9 +156,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 holders[block_id] += 1
             assert len(seq.block_table) == num_blocks_for(seq.num_tokens, BLOCK_SIZE)
         assert [block.ref_count for block in self.manager.blocks] == holders
-        free = set(self.manager.free_block_ids) | set(self.manager.untouched_block_ids)
-        assert len(free) == self.manager.num_free_blocks
+        empty, cached = self.manager.empty_block_ids, self.manager.cached_free_block_ids
+        free = set(empty) | set(cached)
+        assert len(free) == self.manager.num_free_blocks == len(empty) + len(cached)
         assert free == {b for b in range(NUM_BLOCKS) if holders[b] == 0}
+        assert all(self.manager.blocks[b].block_hash is None for b in empty)
+        assert all(self.manager.blocks[b].block_hash is not None for b in cached)
 
     @invariant()
     def cached_blocks_hold_full_recorded_content(self) -> None:
@@ -220,18 +221,20 @@ def test_child_of_an_evicted_parent_is_not_served(monkeypatch):
     digest ignores the parent, the old second block still matches by digest and tokens, but
     it followed the head's old occupancy, so it is a miss."""
     monkeypatch.setattr(block_manager, "block_hash", lambda parent, key, tokens: bytes(tokens))
-    manager = BlockManager(4, BLOCK_SIZE)
+    manager = BlockManager(6, BLOCK_SIZE)
     seq = make_seq(0, [1, 1, 1, 1, 2, 2, 2, 2, 3])
     manager.allocate_slots(seq, seq.num_tokens)
-    head, second, tail = seq.block_table
+    head, second, _ = seq.block_table
     manager.free(seq)
-    for block_id in (tail, second):  # evict the head first
-        manager.free_block_ids.move_to_end(block_id)
-    other = make_seq(1, [7, 7, 7, 7, 8])
+    manager.cached_free_block_ids.move_to_end(second)  # evict the head first
+    filler = make_seq(1, [5] * (4 * BLOCK_SIZE - 1))  # holds every block without content
+    manager.allocate_slots(filler, filler.num_tokens)
+    other = make_seq(2, [7, 7, 7, 7])
     manager.allocate_slots(other, other.num_tokens)
-    assert other.block_table[0] == head
+    assert other.block_table == [head]
     manager.free(other)
-    query = make_seq(2, [7, 7, 7, 7, 2, 2, 2, 2, 9])
+    manager.free(filler)
+    query = make_seq(3, [7, 7, 7, 7, 2, 2, 2, 2, 9])
     assert manager.allocate_slots(query, query.num_tokens).num_cached_tokens == BLOCK_SIZE
     assert query.block_table[0] == head
 
@@ -255,7 +258,7 @@ def test_short_pool_refuses_allocation_and_changes_nothing():
     assert manager.num_queried_tokens == 0
 
 
-def test_eviction_takes_least_recently_freed_block_chain_tail_first():
+def test_empty_blocks_go_before_cached_ones_which_are_evicted_lru_tail_first():
     manager = BlockManager(5, BLOCK_SIZE)
     seq = make_seq(0, list(range(3 * BLOCK_SIZE)))
     manager.allocate_slots(seq, seq.num_tokens)
@@ -264,12 +267,41 @@ def test_eviction_takes_least_recently_freed_block_chain_tail_first():
     assert manager.num_cached_free_blocks == 3
     other = make_seq(1, [99] * BLOCK_SIZE)
     assert manager.allocate_slots(other, other.num_tokens).num_cached_tokens == 0
-    assert other.block_table == [tail]  # freed blocks before untouched ones, the tail first
-    assert manager.num_cached_free_blocks == 2
-    again = make_seq(2, list(range(3 * BLOCK_SIZE)))
+    assert other.block_table == [3]  # a never-used block, not a cached one
+    more = make_seq(2, [98] * (2 * BLOCK_SIZE))
+    manager.allocate_slots(more, more.num_tokens)
+    assert more.block_table == [4, tail]  # then the least recently used cached block: the tail
+    again = make_seq(3, list(range(3 * BLOCK_SIZE)))
+    assert manager.allocate_slots(again, again.num_tokens) is None  # no block left for it
+    manager.free(other)
     assert manager.allocate_slots(again, again.num_tokens).num_cached_tokens == 2 * BLOCK_SIZE
     assert again.block_table[:2] == [head, middle]
-    assert again.block_table[2] == 3 and manager.untouched_block_ids == deque([4])
+
+
+def test_freed_empty_block_is_reused_before_a_cached_one():
+    """A block freed without cached content (a sequence's partial last block) is handed out
+    again before any cached block is evicted, and before blocks never used."""
+    manager = BlockManager(4, BLOCK_SIZE)
+    seq = make_seq(0, list(range(BLOCK_SIZE + 1)))
+    manager.allocate_slots(seq, seq.num_tokens)
+    full, partial = seq.block_table
+    manager.free(seq)
+    other = make_seq(1, [99])
+    manager.allocate_slots(other, other.num_tokens)
+    assert other.block_table == [partial] and manager.num_cached_free_blocks == 1
+
+
+def test_prompts_a_a_b_a_hit_on_the_last_a():
+    """Four long prompts A, A, B, A, each freed when done: B takes free blocks without
+    evicting A's, so the last A hits all of A's full blocks, as the second A did."""
+    manager = BlockManager(16, BLOCK_SIZE)
+    prompt_a, prompt_b = list(range(5 * BLOCK_SIZE)), list(range(100, 100 + 5 * BLOCK_SIZE))
+    hits = []
+    for seq_id, prompt in enumerate((prompt_a, prompt_a, prompt_b, prompt_a)):
+        seq = make_seq(seq_id, prompt)
+        hits.append(manager.allocate_slots(seq, seq.num_tokens).num_cached_tokens)
+        manager.free(seq)
+    assert hits == [0, 4 * BLOCK_SIZE, 0, 4 * BLOCK_SIZE]
 
 
 def test_group_decodes_share_their_full_prompt_blocks():
