@@ -1,7 +1,6 @@
 """``LLMEngine``: requests in, one scheduled step at a time, finished outputs out.
 
-The server's loop and the trainers drive it directly; ``LLM.generate`` drives it to
-completion.
+The server's loop and the trainers drive it directly; ``LLM.generate`` runs it to the end.
 """
 
 from __future__ import annotations
@@ -285,11 +284,13 @@ class LLMEngine:
         """Swap staged tensors in between steps; bump the version and the prefix-cache key.
 
         A copy keeps every parameter's storage, so the decode graphs stay valid; an alias
-        that moves a parameter to new storage recaptures them.
+        that moves one to new storage recaptures them, and ends packed weights (an aliased
+        weight changes in place unseen).
         """
         with self.lock, torch.no_grad():
-            parameters = self.weight_parameters()
-            moved = False
+            parameters, moved = self.weight_parameters(), False
+            if alias:
+                self.runner.model.pack_linear_weights(False)
             for name, tensor in staged.items():
                 if alias:
                     moved |= parameters[name].data_ptr() != tensor.data_ptr()

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, KernelOps
+from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
+from tandem.kernels.cpu_linear import PackedWeight
 
 from .rotary import RotaryEmbedding
 
@@ -30,7 +31,20 @@ class ArchitectureSpec:
     bias_from_config: bool = False
 
 
-class LoraLinear(nn.Linear):
+class Linear(nn.Linear):
+    """A linear layer that multiplies through a packed copy of its weight when it has one
+    (``packed``, set on CPU by ``pack_linear_weights``; see ``kernels/cpu_linear.py``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.packed: PackedWeight | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b``."""
+        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+
+
+class LoraLinear(Linear):
     """A linear layer that can add a LoRA adapter at run time: ``x W^T + s (x A^T) B^T``.
 
     The factors are non-persistent buffers, so they follow the model across devices.
@@ -186,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, spec, max_position, device, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -202,6 +216,14 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits of the given hidden rows."""
         return self.lm_head(hidden)
+
+    def pack_linear_weights(self, enable: bool) -> None:
+        """Multiply every linear layer through a packed copy of its weight (``enable``), or
+        through the weight itself: an aliased weight changes in place unseen, so it must
+        never be packed."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = PackedWeight() if enable else None
 
     def attention_layers(self) -> list[LlamaAttention]:
         """The attention modules, in layer order, for binding the KV pool."""
