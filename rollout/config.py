@@ -38,8 +38,10 @@ class EngineConfig:
         "the KV pool gets what the rest leaves. Default 0.9 on CUDA. On CPU the pool defaults "
         "to 1 GiB.")})
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step."})
-    max_num_batched_tokens: int = field(default=8192, metadata={"help": (
-        "most tokens computed in one step (the chunked-prefill budget).")})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
+        "most tokens computed in one step (the chunked-prefill budget). Default, as vLLM's: "
+        "8192 on GPU; on CPU 4096, and 2048 under ``tandem serve``, where a long prompt's "
+        "prefill would otherwise hold back the running streams and other first tokens.")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest sequence (prompt plus completion); default the model's.")})
     enable_prefix_caching: bool = field(default=True, metadata={"help": (
@@ -59,6 +61,8 @@ class EngineConfig:
         "``cpu_allocator.py``); False leaves malloc as it is.")})
 
     def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = 8192 if self.torch_device.type == "cuda" else 4096
         _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
         _positive_or_none(self, "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len")
         utilization = self.gpu_memory_utilization

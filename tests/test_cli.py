@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from tandem.cli import main
+from tandem.cli import build_parser, main
+from tandem.cli.serve import engine_config
+from tandem.rollout.config import EngineConfig
 
 
 def test_generate_prints_n_completions_per_prompt(llama_dir, capsys):
@@ -40,3 +42,12 @@ def test_train_runs_a_recipe_from_overrides_and_says_where_it_went(llama_dir, tm
 def test_train_refuses_an_unknown_field(capsys):
     assert main(["train", "stepz=1"]) == 2
     assert "unknown field(s) stepz" in capsys.readouterr().err
+
+
+def test_serve_chunks_prefill_by_2048_tokens_on_cpu_unless_told():
+    parser = build_parser()
+    default = engine_config(parser.parse_args(["serve", "m", "--device", "cpu"]))
+    assert default.max_num_batched_tokens == 2048
+    assert EngineConfig(model="m", device="cpu").max_num_batched_tokens == 4096
+    told = parser.parse_args(["serve", "m", "--device", "cpu", "--max-num-batched-tokens", "512"])
+    assert engine_config(told).max_num_batched_tokens == 512

@@ -180,7 +180,7 @@ def cuda_size(utilization: float | None, graph_sizes: list[int]):
 
 def test_cuda_pool_is_what_the_plan_of_total_memory_leaves(fake_cuda):
     size = cuda_size(0.5, [1, 2, 4, 8])
-    defaults = EngineConfig(model="unused")
+    defaults = EngineConfig(model="unused", device="cuda")
     activations = activation_bytes(CONFIG, defaults.max_num_batched_tokens,
                                    defaults.max_num_seqs)
     graphs = graph_pool_bytes(CONFIG, [1, 2, 4, 8])

@@ -4,12 +4,17 @@ options are ``EngineConfig``'s and ``ServerConfig``'s fields."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from tandem.rollout.config import EngineConfig
 from tandem.rollout.default_model import DEFAULT_MODEL
 from tandem.rollout.serving.config import ServerConfig
 
 from .arguments import add_config_arguments, config_from_arguments
+
+# vLLM's CPU server default: a prompt's prefill is chunked finely enough that the running
+# streams and other requests' first tokens are not held back behind it.
+CPU_SERVER_BATCHED_TOKENS = 2048
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -35,6 +40,15 @@ def serve(args: argparse.Namespace) -> int:
                          f"'tandem-rollout[serve]' ({error}).") from error
     from tandem.rollout import LLMEngine
 
-    engine = LLMEngine(config_from_arguments(EngineConfig, args))
+    engine = LLMEngine(engine_config(args))
     serve_engine(engine, config_from_arguments(ServerConfig, args))
     return 0
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The served engine's configuration: the options given, with the server's CPU default
+    chunked-prefill budget when none was."""
+    config = config_from_arguments(EngineConfig, args)
+    if args.max_num_batched_tokens is None and config.torch_device.type == "cpu":
+        config = dataclasses.replace(config, max_num_batched_tokens=CPU_SERVER_BATCHED_TOKENS)
+    return config
