@@ -14,6 +14,11 @@ Paths:
   CPU, over CUDA IPC with ``--device cuda`` (both processes on the one GPU).
 - in-process LoRA merge (``tandem.sync.LoraSync``, rank 16 on every attention and MLP
   projection): GB counts the merged weights pushed, not the adapter.
+- CPU repack: on CPU the linear layers multiply through oneDNN-packed copies of their
+  weights, rebuilt lazily by the first step after an update (``kernels/cpu_linear.py``);
+  the row times rebuilding every one of them after an in-process copy, a cost the update
+  rows leave out and the next step pays. Measured before the alias row: an aliased engine
+  serves unpacked weights from then on.
 
 "Every weight" is the engine's parameters (tied embeddings once), as a trainer holds them.
 Each path runs once untimed, then ``--repeats`` timed pushes; the median is kept.
@@ -111,9 +116,25 @@ def in_process_rows(folder: Path, repeats: int,
              median_seconds(lambda: lora.update(adapter.items(), spec), repeats, device))]
     rows.append(("in-process copy", total,
                  median_seconds(lambda: llm.update_weights(state.items()), repeats, device)))
+    if device == "cpu":
+        rows.append(("CPU repack (next step)", total, repack_seconds(llm, state, repeats)))
     rows.append(("in-process alias", total, median_seconds(
         lambda: llm.update_weights(state.items(), alias=True), repeats, device)))
     return state, rows
+
+
+def repack_seconds(llm: LLM, state: dict[str, torch.Tensor], repeats: int) -> float:
+    """The median over ``repeats`` in-place updates (untimed) of rebuilding every packed copy
+    of a weight, as the next step does."""
+    modules = [m for m in llm.engine.runner.model.modules() if getattr(m, "packed", None)]
+    times = []
+    for _ in range(repeats):
+        llm.update_weights(state.items())
+        start = time.perf_counter()
+        for module in modules:
+            module.packed.of(module.weight)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def engine_process(folder: str, port: int, updates: int, device: str) -> None:

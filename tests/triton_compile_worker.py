@@ -1,0 +1,291 @@
+"""Run by test_triton_compile.py, without ``TRITON_INTERPRET``: compile every Tandem Triton
+kernel ahead of time for sm_80 and sm_90 and write the results as JSON.
+
+The launches compiled are the launchers' own. For each model geometry one engine step (norms,
+rotary, ``store_kv``, decode and prefill attention, the split decode and its merge,
+``silu_and_mul``) runs on meta tensors with every ``@triton.jit`` function of the two kernel
+modules replaced by a recorder, so the constexprs, pointer dtypes, ``num_warps`` and integer
+specialisations are exactly what the engine would launch. Each distinct launch is then
+specialised as Triton's launcher does (``native_specialize_impl``) and compiled with
+``triton.compile`` for each target, down to PTX and a cubin (ptxas, no driver needed).
+
+Output: ``{"compiled": [{kernel, target, geometry, constexprs, pointers, shared, error}],
+"unlaunched": [jit functions neither launched nor called by a launched kernel]}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.compiler.errors import CompilationError
+from triton.runtime.jit import JITFunction
+
+from tandem.kernels import AttentionMetadata, pool_layout, triton_attention, triton_layers
+
+TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
+KERNEL_MODULES = (triton_attention, triton_layers)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
+NUM_DECODES, PREFILL_LEN = 3, 21
+MAX_POSITION = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """The shape of a model as its kernels see it, with its dtype and KV block size."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: torch.dtype
+    qk_norm: bool = False
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+
+# tests/conftest.py's SMALL (head_dim 16; its qwen3 sets head_dim 32, with q/k norms).
+TINY = dict(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=128)
+SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+               intermediate_size=1536)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# The tiny models run in float32 (their checkpoints' dtype), SmolLM2 in any dtype.
+GEOMETRIES = (
+    Geometry("tiny llama float32", head_dim=16, dtype=torch.float32, **TINY),
+    Geometry("tiny qwen3 float32", head_dim=32, dtype=torch.float32, qk_norm=True, **TINY),
+    *(Geometry(f"smollm2-135m {_dtype_name(dtype)}", dtype=dtype, **SMOLLM2)
+      for dtype in DTYPES),
+)
+
+
+@dataclass(slots=True)
+class Launch:
+    """One ``kernel[grid](*args, **kwargs)`` call a launcher made."""
+
+    kernel: JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    geometry: str
+
+
+class LaunchRecorder:
+    """Stands in for a ``JITFunction``: ``recorder[grid](...)`` records the call instead."""
+
+    def __init__(self, kernel: JITFunction, geometry: str, launches: list[Launch]) -> None:
+        self.kernel = kernel
+        self.geometry = geometry
+        self.launches = launches
+
+    def __getitem__(self, grid: Any) -> Callable[..., None]:
+        def record(*args: Any, **kwargs: Any) -> None:
+            self.launches.append(Launch(self.kernel, args, kwargs, self.geometry))
+        return record
+
+
+def jit_functions(module: ModuleType) -> dict[str, JITFunction]:
+    """The ``@triton.jit`` functions defined in ``module``, by name."""
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, JITFunction)}
+
+
+@contextmanager
+def recording(geometry: str, launches: list[Launch]) -> Iterator[None]:
+    """Replace every jit function of the kernel modules by a recorder, then restore them."""
+    originals = [(module, jit_functions(module)) for module in KERNEL_MODULES]
+    for module, kernels in originals:
+        for name, kernel in kernels.items():
+            setattr(module, name, LaunchRecorder(kernel, geometry, launches))
+    try:
+        yield
+    finally:
+        for module, kernels in originals:
+            for name, kernel in kernels.items():
+                setattr(module, name, kernel)
+
+
+def _meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _metadata(num_tokens: int) -> AttentionMetadata:
+    """``NUM_DECODES`` decodes then one prefill chunk of ``PREFILL_LEN`` tokens."""
+    num_seqs, max_blocks = NUM_DECODES + 1, 8
+    return AttentionMetadata(
+        slot_mapping=_meta(num_tokens, dtype=torch.long),
+        block_tables=_meta(num_seqs, max_blocks, dtype=torch.long),
+        context_lens=_meta(num_seqs, dtype=torch.long),
+        cu_seqlens_q=_meta(num_seqs + 1, dtype=torch.long), num_decodes=NUM_DECODES,
+        max_query_len=PREFILL_LEN)
+
+
+def _kv_pool(geometry: Geometry, num_blocks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 0's K and V pools, laid out as the model runner allocates them."""
+    storage, order = pool_layout((2, 2, num_blocks, geometry.block_size,
+                                  geometry.num_kv_heads, geometry.head_dim))
+    pool = _meta(*storage, dtype=geometry.dtype).permute(order)
+    return pool[0, 0], pool[1, 0]
+
+
+def run_step(geometry: Geometry) -> None:
+    """Call every Triton kernel function as one decoder layer of ``geometry`` does."""
+    g, dtype = geometry, geometry.dtype
+    tokens = NUM_DECODES + PREFILL_LEN
+    hidden = _meta(tokens, g.hidden_size, dtype=dtype)
+    weight = _meta(g.hidden_size, dtype=dtype)
+    triton_layers.rms_norm(hidden, weight, 1e-6)
+    triton_layers.rms_norm(hidden, weight, 1e-6, residual=hidden)
+    q = _meta(tokens, g.num_heads * g.head_dim, dtype=dtype).view(tokens, g.num_heads, -1)
+    k = _meta(tokens, g.num_kv_heads * g.head_dim, dtype=dtype).view(tokens, g.num_kv_heads, -1)
+    v = torch.empty_like(k)
+    if g.qk_norm:
+        q = triton_layers.rms_norm(q, _meta(g.head_dim, dtype=dtype), 1e-6)
+        k = triton_layers.rms_norm(k, _meta(g.head_dim, dtype=dtype), 1e-6)
+    tables = _meta(MAX_POSITION, g.head_dim, dtype=torch.float32)
+    triton_layers.rotary_embedding(_meta(tokens, dtype=torch.long), q, k, tables, tables)
+    k_cache, v_cache = _kv_pool(g)
+    metadata = _metadata(tokens)
+    triton_attention.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    scale = g.head_dim ** -0.5
+    triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale)
+    triton_attention.paged_decode_attention(  # the split path and its merge
+        q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
+        metadata.context_lens[:NUM_DECODES], scale, num_splits=4)
+    gate = _meta(tokens, g.intermediate_size, dtype=dtype)
+    triton_layers.silu_and_mul(gate, torch.empty_like(gate))
+
+
+def record_launches(geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[Launch]:
+    """Every kernel launch one step of each geometry makes."""
+    launches: list[Launch] = []
+    for geometry in geometries:
+        with recording(geometry.name, launches):
+            run_step(geometry)
+    return launches
+
+
+@dataclass(frozen=True, slots=True)
+class CompileJob:
+    """One launch specialised for one target: what ``triton.compile`` takes."""
+
+    kernel: JITFunction
+    target: str
+    signature: dict[str, str]
+    constexprs: dict[str, Any]
+    attrs: dict[tuple[int, ...], Any]
+    options: dict[str, Any]
+
+    def key(self) -> str:
+        """Equal for two jobs that compile the same binary."""
+        return repr((self.kernel.__name__, self.target, sorted(self.signature.items()),
+                     sorted(self.constexprs.items()), sorted(self.attrs.items()),
+                     sorted(self.options.items())))
+
+
+def specialise(launch: Launch, target: str) -> CompileJob:
+    """``launch`` as Triton's launcher would compile it for ``target``."""
+    kernel, backend = launch.kernel, make_backend(TARGETS[target])
+    arguments = {name: value for name, value in launch.kwargs.items()
+                 if name in kernel.arg_names}
+    options = {name: value for name, value in launch.kwargs.items() if name not in arguments}
+    bound = kernel.signature.bind(*launch.args, **arguments)
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for index, (param, (name, value)) in enumerate(zip(kernel.params, bound.arguments.items())):
+        if param.is_constexpr:
+            signature[name], constexprs[name] = "constexpr", value
+            continue
+        kind, attr = native_specialize_impl(backend, value, param.is_const,
+                                            not param.do_not_specialize,
+                                            not param.do_not_specialize_on_alignment)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[name] = attr
+        elif isinstance(attr, str) and attr:
+            attrs[(index,)] = backend.parse_attr(attr)
+    return CompileJob(kernel, target, signature, constexprs, attrs, options)
+
+
+def compile_job(job: CompileJob) -> dict[str, Any]:
+    """Compile ``job``; its shared memory in bytes, or the error that stopped it."""
+    source = ASTSource(job.kernel, job.signature, job.constexprs, job.attrs)
+    try:
+        compiled = triton.compile(source, target=TARGETS[job.target], options=job.options)
+    except Exception as error:  # noqa: BLE001 - every failure is a finding to report
+        return {"shared": None, "error": error_text(error)}
+    if "cubin" not in compiled.asm:
+        return {"shared": None, "error": "no cubin was produced"}
+    return {"shared": compiled.metadata.shared, "error": None}
+
+
+def error_text(error: BaseException, limit: int = 4000) -> str:
+    """``error`` as text; for a compile error, its innermost one, which shows the failing
+    line even inside a helper and ends with the cause."""
+    chain = [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) and len(chain) < 16:
+        chain.append(cause)
+    innermost = next((e for e in reversed(chain) if isinstance(e, CompilationError)), error)
+    text = f"{type(innermost).__name__}: {innermost}"
+    return text if len(text) <= limit else f"{text[:limit // 4]}\n...\n{text[-limit // 2:]}"
+
+
+def unlaunched(launches: list[Launch]) -> list[str]:
+    """Jit functions neither launched nor named in a launched kernel's source (helpers)."""
+    launched = {launch.kernel for launch in launches}
+    sources = "\n".join(kernel.src for kernel in launched)
+    return sorted(f"{module.__name__}.{name}" for module in KERNEL_MODULES
+                  for name, kernel in jit_functions(module).items()
+                  if kernel not in launched and f"{name}(" not in sources)
+
+
+def distinct_jobs(launches: list[Launch]) -> list[tuple[CompileJob, Launch]]:
+    """One job per distinct binary: each launch for each target, repeats dropped."""
+    jobs: dict[str, tuple[CompileJob, Launch]] = {}
+    for launch in launches:
+        for target in TARGETS:
+            job = specialise(launch, target)
+            jobs.setdefault(job.key(), (job, launch))
+    return list(jobs.values())
+
+
+def report(job: CompileJob, launch: Launch) -> dict[str, Any]:
+    """Compile ``job``; what it is (kernel, target, geometry, constexprs, pointer dtypes) and
+    how it went (``shared`` bytes, or ``error``)."""
+    pointers = {name: kind for name, kind in job.signature.items() if kind.startswith("*")}
+    return {"kernel": job.kernel.__name__, "target": job.target, "geometry": launch.geometry,
+            "constexprs": job.constexprs, "pointers": pointers, **compile_job(job)}
+
+
+def main() -> None:
+    """Compile each distinct launch for each target, on every CPU; write the results as JSON
+    to the path given as the first argument (Triton prints to stdout when ptxas fails)."""
+    launches = record_launches()
+    # Threads suffice: two threads on two cores compile in about half the time of one.
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        compiled = list(pool.map(lambda pair: report(*pair), distinct_jobs(launches)))
+    results = {"compiled": compiled, "unlaunched": unlaunched(launches)}
+    Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
