@@ -1,10 +1,11 @@
-"""The CPU linear layers: oneDNN's packed matmul, with the plain one where it does not pay.
+"""The CPU linear layers: oneDNN's packed matmul.
 
 ``torch.nn.functional.linear`` on CPU multiplies by the weight in its stored row-major
 layout. oneDNN (what vLLM's CPU build and inductor's freezing use) first reorders the weight
 once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and then
-multiplies by that copy (``torch.ops.mkldnn._linear_pointwise``), which is faster from a few
-rows on (``benchmarks/matmul_floor.py`` measures both at every row count). The packed copy
+multiplies by that copy (``torch.ops.mkldnn._linear_pointwise``), which is faster over the
+model's layers at every row count from 1 to 256 (``benchmarks/matmul_floor.py`` measures
+both; at 512 rows they are even). The packed copy
 is a cache of the weight: it is rebuilt whenever the weight's storage or its version counter
 (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it never
 serves stale weights. A weight whose values change without either (an aliased trainer
@@ -15,9 +16,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-# Below this many rows the plain matmul is as fast or faster (benchmarks/matmul_floor.py).
-PACKED_MIN_ROWS = 2
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -50,8 +48,8 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: PackedWeight | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``: through ``packed`` when given and
-    the rows are enough for it to pay, else the plain matmul."""
-    if packed is None or x.shape[0] < PACKED_MIN_ROWS:
+    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``: through ``packed`` when given, else
+    the plain matmul."""
+    if packed is None:
         return F.linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")

@@ -47,7 +47,7 @@ def test_packed_copy_follows_in_place_writes_and_new_storage():
 
 def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path):
     llm = LLM(str(llama_dir))
-    before = completions(llm)  # two prompts: the decode steps have 2 rows, so they pack
+    before = completions(llm)
     modules = packed_modules(llm)
     assert modules and all(m.packed is not None and m.packed.key is not None for m in modules)
     keys = [m.packed.key for m in modules]
