@@ -48,8 +48,10 @@ def test_packed_copy_follows_in_place_writes_and_new_storage():
 def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path):
     llm = LLM(str(llama_dir))
     before = completions(llm)
-    modules = packed_modules(llm)
-    assert modules and all(m.packed is not None and m.packed.key is not None for m in modules)
+    assert llm.engine.runner.model.lm_head.packed is None  # kept on F.linear for parity
+    modules = [m for m in packed_modules(llm) if m.packed is not None]
+    assert len(modules) == 7 * llm.engine.runner.model.config.num_hidden_layers
+    assert all(m.packed.key is not None for m in modules)
     keys = [m.packed.key for m in modules]
     trainer = trainer_model(llama_dir, seed=3)
     llm.update_weights(trainer.state_dict().items())
