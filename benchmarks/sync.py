@@ -126,13 +126,13 @@ def in_process_rows(folder: Path, repeats: int,
 def repack_seconds(llm: LLM, state: dict[str, torch.Tensor], repeats: int) -> float:
     """The median over ``repeats`` in-place updates (untimed) of rebuilding every packed copy
     of a weight, as the next step does."""
-    modules = [m for m in llm.engine.runner.model.modules() if getattr(m, "packed", None)]
+    packed = llm.engine.runner.model.packed_weights()
     times = []
     for _ in range(repeats):
         llm.update_weights(state.items())
         start = time.perf_counter()
-        for module in modules:
-            module.packed.of(module.weight)
+        for weight in packed:
+            weight.current()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -5,17 +5,21 @@ layout. oneDNN (what vLLM's CPU build and inductor's freezing use) first reorder
 once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and then
 multiplies by that copy (``torch.ops.mkldnn._linear_pointwise``), which is faster over the
 model's layers at every row count from 1 to 256 (``benchmarks/matmul_floor.py`` measures
-both; at 512 rows they are even). The packed copy
-is a cache of the weight: it is rebuilt whenever the weight's storage or its version counter
+both; at 512 rows they are even). Layers that read the same input pack as one matrix: one
+call instead of three for q/k/v, much of the cost at a few rows. The packed copy is a cache of
+the weight: it is rebuilt whenever the weight's storage or its version counter
 (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it never
 serves stale weights. A weight whose values change without either (an aliased trainer
-tensor) must not be packed: the model drops its packed copies then (``unpack``).
+tensor) must not be packed: the model drops its packed copies then
+(``pack_linear_weights(False)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -29,27 +33,39 @@ def packs(dtype: torch.dtype) -> bool:
 
 
 class PackedWeight:
-    """One linear layer's weight in oneDNN's layout, rebuilt whenever the weight changes."""
+    """The weights of one or more linear layers that read the same input (q/k/v, gate/up),
+    concatenated along their outputs in oneDNN's layout, with their biases; rebuilt whenever
+    any of them changes. Calling it multiplies by all of them at once."""
 
-    __slots__ = ("key", "packed")
+    __slots__ = ("layers", "key", "weight", "bias")
 
-    def __init__(self) -> None:
-        self.key: tuple[int, int] | None = None
-        self.packed = torch.empty(0)
+    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+        self.layers = tuple(layers)
+        self.key: tuple[tuple[int, int], ...] | None = None
+        self.weight = torch.empty(0)
+        self.bias: torch.Tensor | None = None
 
-    def of(self, weight: torch.Tensor) -> torch.Tensor:
-        """The packed copy of ``weight`` as it is now."""
-        key = (weight.data_ptr(), weight._version)
+    def current(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The packed weight and the concatenated bias (None without) as the layers are now."""
+        params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
+        key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self.key:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            weights = [layer.weight.detach() for layer in self.layers]
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(
+                weights[0] if len(weights) == 1 else torch.cat(weights), None)
+            self.bias = self._stacked_bias()
             self.key = key
-        return self.packed
+        return self.weight, self.bias
 
+    def _stacked_bias(self) -> torch.Tensor | None:
+        """The layers' biases end to end (zeros for a layer without), None if none has one."""
+        if all(layer.bias is None for layer in self.layers):
+            return None
+        return torch.cat([layer.weight.new_zeros(layer.out_features) if layer.bias is None
+                          else layer.bias.detach() for layer in self.layers])
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: PackedWeight | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[rows, in]``: through ``packed`` when given, else
-    the plain matmul."""
-    if packed is None:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.of(weight), bias, "none", [], "")
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T + b`` for ``x`` ``[rows, in]``, W and b the layers' stacked weights and
+        biases: their outputs side by side."""
+        weight, bias = self.current()
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

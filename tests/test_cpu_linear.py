@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tandem.kernels import cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 from tandem.rollout import LLM
-from tandem.rollout.models.llama import Linear
 
 from .test_weight_update import completions, fresh_completions, trainer_model
 
@@ -17,9 +17,17 @@ pytestmark = pytest.mark.skipif(not cpu_linear.packs(torch.float32),
                                 reason="this torch has no oneDNN")
 
 
-def packed_modules(llm: LLM) -> list[Linear]:
-    model = llm.engine.runner.model
-    return [m for m in model.modules() if isinstance(m, Linear)]
+def packed_weights(llm: LLM) -> list[PackedWeight]:
+    return llm.engine.runner.model.packed_weights()
+
+
+def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
 
 
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
@@ -29,35 +37,55 @@ def test_packed_linear_equals_the_plain_matmul(rows, bias):
     weight = torch.randn(48, 40, generator=generator)
     b = torch.randn(48, generator=generator) if bias else None
     x = torch.randn(rows, 40, generator=generator)
-    out = cpu_linear.linear(x, weight, b, PackedWeight())
+    out = PackedWeight([linear_layer(weight, b)])(x)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_layers_give_each_layers_output_side_by_side(rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    layers = [linear_layer(torch.randn(out, 40, generator=generator),
+                           torch.randn(out, generator=generator) if bias else None)
+              for out in (48, 16, 16)]
+    x = torch.randn(rows, 40, generator=generator)
+    expected = torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(PackedWeight(layers)(x), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_packed_copy_follows_in_place_writes_and_new_storage():
-    weight, packed = torch.randn(32, 16), PackedWeight()
-    x = torch.randn(8, 16)
-    cpu_linear.linear(x, weight, None, packed)
-    with torch.inference_mode():
-        weight.copy_(torch.randn(32, 16))  # a weight update's in-place copy
-        torch.testing.assert_close(cpu_linear.linear(x, weight, None, packed),
-                                   F.linear(x, weight))
-    weight.data = torch.randn(32, 16)  # new storage
-    torch.testing.assert_close(cpu_linear.linear(x, weight, None, packed), F.linear(x, weight))
+    layers = [nn.Linear(16, 32, bias=False), nn.Linear(16, 8)]
+    packed, x = PackedWeight(layers), torch.randn(8, 16)
+
+    def expected() -> torch.Tensor:
+        return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
+
+    with torch.no_grad():
+        packed(x)
+        layers[0].weight.copy_(torch.randn(32, 16))  # a weight update's in-place copy
+        torch.testing.assert_close(packed(x), expected())
+        layers[1].bias.add_(1.0)  # a bias alone changes too
+        torch.testing.assert_close(packed(x), expected())
+        layers[1].weight.data = torch.randn(8, 16)  # new storage
+        torch.testing.assert_close(packed(x), expected())
 
 
 def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path):
     llm = LLM(str(llama_dir))
     before = completions(llm)
-    assert llm.engine.runner.model.lm_head.packed is None  # kept on F.linear for parity
-    modules = [m for m in packed_modules(llm) if m.packed is not None]
-    assert len(modules) == 7 * llm.engine.runner.model.config.num_hidden_layers
-    assert all(m.packed.key is not None for m in modules)
-    keys = [m.packed.key for m in modules]
+    model = llm.engine.runner.model
+    assert model.lm_head.packed is None  # kept on F.linear for parity
+    packed = packed_weights(llm)  # per layer: q/k/v as one, o, gate/up as one, down
+    assert len(packed) == 4 * model.config.num_hidden_layers
+    assert {len(p.layers) for p in packed} == {1, 2, 3}
+    assert all(p.key is not None for p in packed)
+    keys = [p.key for p in packed]
     trainer = trainer_model(llama_dir, seed=3)
     llm.update_weights(trainer.state_dict().items())
     after = completions(llm)
     assert after != before
-    assert all(m.packed.key != key for m, key in zip(modules, keys, strict=True))
+    assert all(p.key != key for p, key in zip(packed, keys, strict=True))
     assert after == fresh_completions(trainer, llama_dir, tmp_path)
 
 
@@ -66,7 +94,7 @@ def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir):
     completions(llm)
     trainer = trainer_model(llama_dir, seed=4)
     llm.update_weights(trainer.state_dict().items(), alias=True)
-    assert all(m.packed is None for m in packed_modules(llm))
+    assert packed_weights(llm) == []
     with torch.no_grad():
         for param in trainer.parameters():
             param.mul_(1.1)  # no new commit: an aliased engine serves this as it is

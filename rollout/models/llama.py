@@ -1,7 +1,9 @@
 """Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
 
 Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up projections), so
-a checkpoint loads name for name and a trainer's weights need no mapping.
+a checkpoint loads name for name and a trainer's weights need no mapping. On CPU the
+projections that read the same input still multiply as one packed matrix
+(``FusedProjections``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
+from tandem.kernels import AttentionMetadata, KernelOps
 from tandem.kernels.cpu_linear import PackedWeight
 
 from .rotary import RotaryEmbedding
@@ -41,7 +43,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``."""
-        return cpu_linear.linear(x, self.weight, self.bias, self.packed)
+        return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
 
 
 class LoraLinear(Linear):
@@ -67,10 +69,33 @@ class LoraLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map, plus the adapter's low-rank term when one is set."""
-        out = super().forward(x)
+        return self.add_lora(x, super().forward(x))
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (this layer's ``x W^T + b``) plus the adapter's term of ``x``, if any."""
         if self.lora_a is None:
             return out
         return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+
+
+class FusedProjections:
+    """Projections that read the same input (q/k/v, gate/up), each keeping its own module,
+    Hugging Face name, weight and LoRA adapter. With ``packed`` set (on CPU, by
+    ``pack_linear_weights``) they multiply as one packed matrix; else each on its own."""
+
+    __slots__ = ("layers", "sizes", "packed")
+
+    def __init__(self, *layers: LoraLinear) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.packed: PackedWeight | None = None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each projection of ``x``, in order."""
+        if self.packed is None:
+            return [layer(x) for layer in self.layers]
+        outs = self.packed(x).split(self.sizes, dim=-1)
+        return [layer.add_lora(x, out) for layer, out in zip(self.layers, outs, strict=True)]
 
 
 class RMSNorm(nn.Module):
@@ -106,6 +131,7 @@ class LlamaAttention(nn.Module):
         self.k_proj = LoraLinear(hidden, kv_size, bias=qkv_bias)
         self.v_proj = LoraLinear(hidden, kv_size, bias=qkv_bias)
         self.o_proj = LoraLinear(q_size, hidden, bias=o_bias)
+        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -115,9 +141,10 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Attend each token of ``hidden`` ``[tokens, hidden]`` to its sequence's context."""
-        q = self.q_proj(hidden).view(-1, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv(hidden)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
@@ -137,10 +164,11 @@ class LlamaMLP(nn.Module):
         self.gate_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = LoraLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up = FusedProjections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(*self.gate_up(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -218,13 +246,29 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_linear_weights(self, enable: bool) -> None:
-        """Multiply every projection through a packed copy of its weight (``enable``), or
-        through the weight itself: an aliased weight changes in place unseen, so it must
-        never be packed. The LM head stays unpacked: packed, the embedded model's prompt
-        log-probs drift past transformers' by 1.1e-4, over the parity tests' 1e-4."""
+        """Multiply every projection through a packed copy of its weight (``enable``), q/k/v
+        and gate/up each as one matrix, or through the weight itself: an aliased weight
+        changes in place unseen, so it must never be packed. The LM head stays unpacked:
+        packed, the embedded model's prompt log-probs drift past transformers' by 1.1e-4,
+        over the parity tests' 1e-4."""
+        fused = self.fused_projections()
+        in_fused = {id(layer) for group in fused for layer in group.layers}
         for module in self.modules():
             if isinstance(module, Linear):
-                module.packed = PackedWeight() if enable and module is not self.lm_head else None
+                alone = enable and module is not self.lm_head and id(module) not in in_fused
+                module.packed = PackedWeight([module]) if alone else None
+        for group in fused:
+            group.packed = PackedWeight(group.layers) if enable else None
+
+    def fused_projections(self) -> list[FusedProjections]:
+        """Every layer's q/k/v and gate/up groups."""
+        return [group for layer in self.model.layers
+                for group in (layer.self_attn.qkv, layer.mlp.gate_up)]
+
+    def packed_weights(self) -> list[PackedWeight]:
+        """Every packed copy of a weight the forward pass multiplies through (none unpacked)."""
+        owners = [*self.fused_projections(), *(m for m in self.modules() if isinstance(m, Linear))]
+        return [owner.packed for owner in owners if owner.packed is not None]
 
     def attention_layers(self) -> list[LlamaAttention]:
         """The attention modules, in layer order, for binding the KV pool."""
