@@ -1,25 +1,40 @@
-"""The CPU linear layers: oneDNN's packed matmul.
+"""The CPU linear layers: a private copy of each weight in the layout this machine multiplies
+fastest.
 
-``torch.nn.functional.linear`` on CPU multiplies by the weight in its stored row-major
-layout. oneDNN (what vLLM's CPU build and inductor's freezing use) first reorders the weight
-once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and then
-multiplies by that copy (``torch.ops.mkldnn._linear_pointwise``), which is faster over the
-model's layers at every row count from 1 to 256 (``benchmarks/matmul_floor.py`` measures
-both; at 512 rows they are even). Layers that read the same input pack as one matrix: one
-call instead of three for q/k/v, much of the cost at a few rows. The packed copy is a cache of
-the weight: it is rebuilt whenever the weight's storage or its version counter
+``torch.nn.functional.linear`` on CPU multiplies by the weight as it is stored, ``[out, in]``
+row-major. Two other layouts can be faster, by how much depending on the machine (both are
+in ``benchmarks/matmul_floor.py``):
+
+- ``"transposed"``: a contiguous ``[in, out]`` copy, multiplied by ``torch.mm`` (BLAS with no
+  transpose). On an AVX-512 Xeon it beats ``F.linear`` by 1.2-1.3x from 1 row to 64, and
+  oneDNN's packed matmul too.
+- ``"onednn"``: oneDNN's blocked layout (what vLLM's CPU build and inductor's freezing use):
+  ``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``. On an AVX2
+  EPYC it beats ``F.linear`` at every row count from 1 to 256.
+
+``fastest_layout`` times the candidates (``None``, plain ``F.linear`` with no copy, among
+them) on the model's own leading layers when the engine loads, so each machine gets its own
+best. Layers that read the same input share one copy: one call instead of three for q/k/v,
+much of the cost at a few rows.
+
+A copy is a cache: it is rebuilt whenever any of its weights' storage or version counter
 (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it never
 serves stale weights. A weight whose values change without either (an aliased trainer
-tensor) must not be packed: the model drops its packed copies then
-(``pack_linear_weights(False)``).
+tensor) must not be copied: the model drops its copies then (``pack_linear_weights(None)``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+LAYOUTS = ("transposed", "onednn")
+CALIBRATION_ROWS = (1, 64)  # a decode step of one sequence, and of a GRPO batch
+CALIBRATION_REPEATS = 3
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -32,27 +47,37 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def candidate_layouts(dtype: torch.dtype) -> list[str | None]:
+    """The layouts worth timing for ``dtype``: none (``F.linear``), ``"transposed"``, and
+    ``"onednn"`` where oneDNN packs the dtype."""
+    return [None, "transposed", *(["onednn"] if packs(dtype) else [])]
+
+
 class PackedWeight:
     """The weights of one or more linear layers that read the same input (q/k/v, gate/up),
-    concatenated along their outputs in oneDNN's layout, with their biases; rebuilt whenever
-    any of them changes. Calling it multiplies by all of them at once."""
+    stacked along their outputs in ``layout`` (one of ``LAYOUTS``), with their biases;
+    rebuilt whenever any of them changes. Calling it multiplies by all of them at once."""
 
-    __slots__ = ("layers", "key", "weight", "bias")
+    __slots__ = ("layers", "layout", "key", "weight", "bias")
 
-    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+    def __init__(self, layers: Sequence[nn.Linear], layout: str) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown linear layout {layout!r}: use one of {LAYOUTS}.")
         self.layers = tuple(layers)
+        self.layout = layout
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
 
     def current(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The packed weight and the concatenated bias (None without) as the layers are now."""
+        """The weight copy and the stacked bias (None without) as the layers are now."""
         params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self.key:
             weights = [layer.weight.detach() for layer in self.layers]
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(
-                weights[0] if len(weights) == 1 else torch.cat(weights), None)
+            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
+            self.weight = (torch.ops.mkldnn._reorder_linear_weight(stacked, None)
+                           if self.layout == "onednn" else stacked.t().contiguous())
             self.bias = self._stacked_bias()
             self.key = key
         return self.weight, self.bias
@@ -68,4 +93,44 @@ class PackedWeight:
         """``x @ W^T + b`` for ``x`` ``[rows, in]``, W and b the layers' stacked weights and
         biases: their outputs side by side."""
         weight, bias = self.current()
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if self.layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+
+
+def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str | None:
+    """The candidate layout (``candidate_layouts``) that multiplies ``groups`` (each a list
+    of layers reading the same input, multiplied as one) fastest: the least sum over
+    ``CALIBRATION_ROWS`` of its seconds per pass relative to the fastest candidate's at
+    that row count, so no row count dominates."""
+    candidates = candidate_layouts(dtype)
+    seconds = {layout: [_pass_seconds(groups, layout, rows) for rows in CALIBRATION_ROWS]
+               for layout in candidates}
+    best = [min(times[i] for times in seconds.values()) for i in range(len(CALIBRATION_ROWS))]
+    return min(candidates, key=lambda layout: sum(
+        t / b for t, b in zip(seconds[layout], best, strict=True)))
+
+
+def _pass_seconds(groups: Sequence[Sequence[nn.Linear]], layout: str | None, rows: int) -> float:
+    """The least of ``CALIBRATION_REPEATS`` timed passes of ``rows`` random rows through
+    every group in ``layout`` (None: ``F.linear`` per layer), after an untimed one."""
+    weight = groups[0][0].weight
+    inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=weight.dtype,
+                                             device=weight.device)
+              for group in groups for layer in group}
+    if layout is None:
+        calls = [lambda x, layer=layer: F.linear(x, layer.weight, layer.bias)
+                 for group in groups for layer in group]
+        sizes = [layer.in_features for group in groups for layer in group]
+    else:
+        calls = [PackedWeight(group, layout) for group in groups]
+        sizes = [group[0].in_features for group in groups]
+    best = float("inf")
+    with torch.no_grad():
+        for repeat in range(CALIBRATION_REPEATS + 1):
+            start = time.perf_counter()
+            for call, size in zip(calls, sizes, strict=True):
+                call(inputs[size])
+            if repeat:
+                best = min(best, time.perf_counter() - start)
+    return best

@@ -290,7 +290,7 @@ class LLMEngine:
         with self.lock, torch.no_grad():
             parameters, moved = self.weight_parameters(), False
             if alias:
-                self.runner.model.pack_linear_weights(False)
+                self.runner.model.pack_linear_weights(None)
             for name, tensor in staged.items():
                 if alias:
                     moved |= parameters[name].data_ptr() != tensor.data_ptr()

@@ -35,7 +35,9 @@ class ModelRunner:
 
     Graphs are captured only on CUDA, with the Triton kernels (the torch reference
     synchronises with the device) and without ``enforce_eager``; ``graph_sizes`` is empty
-    otherwise.
+    otherwise. On CPU with the torch kernels the linear layers multiply through copies of
+    their weights in the layout timed fastest on this machine when the model loads
+    (``kernels/cpu_linear.py``; ``model.linear_layout`` names it).
     """
 
     def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
@@ -49,6 +51,8 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype, device, max_model_len, self.ops)
         load_weights(self.model, model_dir)
         self.model.eval()
+        if device.type == "cpu" and self.ops.name == "torch":
+            self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
         self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)

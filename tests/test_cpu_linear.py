@@ -13,8 +13,7 @@ from tandem.rollout import LLM
 
 from .test_weight_update import completions, fresh_completions, trainer_model
 
-pytestmark = pytest.mark.skipif(not cpu_linear.packs(torch.float32),
-                                reason="this torch has no oneDNN")
+LAYOUTS = [layout for layout in cpu_linear.candidate_layouts(torch.float32) if layout]
 
 
 def packed_weights(llm: LLM) -> list[PackedWeight]:
@@ -30,20 +29,22 @@ def linear_layer(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return layer
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 2, 7, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_equals_the_plain_matmul(rows, bias):
+def test_packed_linear_equals_the_plain_matmul(rows, bias, layout):
     generator = torch.Generator().manual_seed(rows)
     weight = torch.randn(48, 40, generator=generator)
     b = torch.randn(48, generator=generator) if bias else None
     x = torch.randn(rows, 40, generator=generator)
-    out = PackedWeight([linear_layer(weight, b)])(x)
+    out = PackedWeight([linear_layer(weight, b)], layout)(x)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_layers_give_each_layers_output_side_by_side(rows, bias):
+def test_fused_layers_give_each_layers_output_side_by_side(rows, bias, layout):
     generator = torch.Generator().manual_seed(rows)
     layers = [linear_layer(torch.randn(out, 40, generator=generator),
                            torch.randn(out, generator=generator) if bias else None)
@@ -51,12 +52,13 @@ def test_fused_layers_give_each_layers_output_side_by_side(rows, bias):
     x = torch.randn(rows, 40, generator=generator)
     expected = torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
     with torch.no_grad():
-        torch.testing.assert_close(PackedWeight(layers)(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(PackedWeight(layers, layout)(x), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_copy_follows_in_place_writes_and_new_storage():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_copy_follows_in_place_writes_and_new_storage(layout):
     layers = [nn.Linear(16, 32, bias=False), nn.Linear(16, 8)]
-    packed, x = PackedWeight(layers), torch.randn(8, 16)
+    packed, x = PackedWeight(layers, layout), torch.randn(8, 16)
 
     def expected() -> torch.Tensor:
         return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
@@ -71,10 +73,36 @@ def test_packed_copy_follows_in_place_writes_and_new_storage():
         torch.testing.assert_close(packed(x), expected())
 
 
-def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path):
+def test_the_fastest_layout_is_the_least_time_relative_to_the_best_at_each_row_count(
+        monkeypatch):
+    # (1 row, 64 rows): "transposed" is best at 1 row, "onednn" at 64 by less.
+    seconds = {(None, 1): 3.0, (None, 64): 9.0, ("transposed", 1): 1.0,
+               ("transposed", 64): 5.0, ("onednn", 1): 2.5, ("onednn", 64): 4.0}
+    monkeypatch.setattr(cpu_linear, "_pass_seconds",
+                        lambda groups, layout, rows: seconds[layout, rows])
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: True)
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
+    seconds["onednn", 64] = 2.0  # relative: 2.5 + 1.0 against "transposed"'s 1.0 + 2.55
+    seconds["transposed", 64] = 5.1
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "onednn"
+    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
+
+
+def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):
     llm = LLM(str(llama_dir))
-    before = completions(llm)
     model = llm.engine.runner.model
+    assert model.linear_layout in cpu_linear.candidate_layouts(torch.float32)
+    assert len(packed_weights(llm)) == (0 if model.linear_layout is None
+                                             else 4 * model.config.num_hidden_layers)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path, layout):
+    llm = LLM(str(llama_dir))
+    model = llm.engine.runner.model
+    model.pack_linear_weights(layout)
+    before = completions(llm)
     assert model.lm_head.packed is None  # kept on F.linear for parity
     packed = packed_weights(llm)  # per layer: q/k/v as one, o, gate/up as one, down
     assert len(packed) == 4 * model.config.num_hidden_layers
@@ -89,8 +117,10 @@ def test_engine_packs_its_weights_and_an_update_repacks_them(llama_dir, tmp_path
     assert after == fresh_completions(trainer, llama_dir, tmp_path)
 
 
-def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir, layout):
     llm, reference = LLM(str(llama_dir)), LLM(str(llama_dir))
+    llm.engine.runner.model.pack_linear_weights(layout)
     completions(llm)
     trainer = trainer_model(llama_dir, seed=4)
     llm.update_weights(trainer.state_dict().items(), alias=True)

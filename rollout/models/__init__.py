@@ -6,7 +6,6 @@ import torch
 from transformers import PretrainedConfig
 
 from tandem.kernels import KernelOps
-from tandem.kernels.cpu_linear import packs
 
 from .llama import ArchitectureSpec, LlamaForCausalLM
 from .rotary import check_rope_type
@@ -38,14 +37,12 @@ def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.devi
                 max_position: int, ops: KernelOps) -> LlamaForCausalLM:
     """An uninitialised model of the config's architecture, on ``device`` in ``dtype``.
 
-    Every kernel of its forward pass runs through ``ops``; on CPU with the torch kernels its
-    linear layers multiply through packed copies of their weights where oneDNN packs the
-    dtype.
+    Every kernel of its forward pass runs through ``ops``. Its linear layers multiply by
+    their weights as stored until ``pack_linear_weights`` (see ``ModelRunner``).
     """
     spec = ARCHITECTURES[architecture_of(config)]
     with torch.device("meta"):
         model = LlamaForCausalLM(config, spec, max_position, device, ops)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.pack_linear_weights(device.type == "cpu" and ops.name == "torch" and packs(dtype))
     return model

@@ -15,12 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, KernelOps
+from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 
 from .rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
+CALIBRATION_BYTES = 64 << 20  # weights timed to choose the CPU linear layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, spec, max_position, device, ops)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.linear_layout: str | None = None  # see pack_linear_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -245,20 +247,35 @@ class LlamaForCausalLM(nn.Module):
         """Vocabulary logits of the given hidden rows."""
         return self.lm_head(hidden)
 
-    def pack_linear_weights(self, enable: bool) -> None:
-        """Multiply every projection through a packed copy of its weight (``enable``), q/k/v
-        and gate/up each as one matrix, or through the weight itself: an aliased weight
-        changes in place unseen, so it must never be packed. The LM head stays unpacked:
-        packed, the embedded model's prompt log-probs drift past transformers' by 1.1e-4,
-        over the parity tests' 1e-4."""
+    def pack_linear_weights(self, layout: str | None) -> None:
+        """Multiply every projection through a copy of its weight in ``layout`` (one of
+        ``cpu_linear.LAYOUTS``), q/k/v and gate/up each as one matrix; or (None) through the
+        weight itself: an aliased weight changes in place unseen, so it must never be
+        copied. The LM head stays on ``F.linear``: packed, the embedded model's prompt
+        log-probs drift past transformers' by 1.1e-4, over the parity tests' 1e-4."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
         for module in self.modules():
             if isinstance(module, Linear):
-                alone = enable and module is not self.lm_head and id(module) not in in_fused
-                module.packed = PackedWeight([module]) if alone else None
+                alone = module is not self.lm_head and id(module) not in in_fused
+                module.packed = PackedWeight([module], layout) if alone and layout else None
         for group in fused:
-            group.packed = PackedWeight(group.layers) if enable else None
+            group.packed = PackedWeight(group.layers, layout) if layout else None
+        self.linear_layout = layout
+
+    def fastest_linear_layout(self) -> str | None:
+        """The layout ``cpu_linear.fastest_layout`` finds fastest for this model's
+        projections, timed on its leading layers (as many as hold ``CALIBRATION_BYTES`` of
+        weights, at least one) as the forward pass groups them."""
+        groups, size = [], 0
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            groups += [attention.qkv.layers, [attention.o_proj], mlp.gate_up.layers,
+                       [mlp.down_proj]]
+            size += sum(p.numel() * p.element_size() for p in layer.parameters())
+            if size >= CALIBRATION_BYTES:
+                break
+        return cpu_linear.fastest_layout(groups, self.lm_head.weight.dtype)
 
     def fused_projections(self) -> list[FusedProjections]:
         """Every layer's q/k/v and gate/up groups."""
