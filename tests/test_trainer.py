@@ -169,6 +169,7 @@ def test_sleep_between_steps_frees_the_kv_pool_while_the_trainer_steps(llama_dir
     assert trainer.llm.stats()["kv_cache_bytes"] == 0
     second = trainer.train_step()
     assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
+    assert all(m["rollout_seconds"] > 0 and m["train_seconds"] > 0 for m in (first, second))
     assert trainer.llm.weight_version == 2
 
 

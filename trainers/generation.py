@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -19,6 +19,8 @@ from .environments import Environment
 from .episodes import Trajectory
 from .groups import CompletionSource, EpisodeSource, Group, GroupCollector
 from .tasks import Example
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -186,6 +188,13 @@ def engine_round_metrics(before: dict[str, float], after: dict[str, float]
             "prefix_cache_hit_rate": delta("prefix_cache_hit_tokens")
             / max(delta("prefix_cache_queried_tokens"), 1.0),
             "cow_copies": delta("cow_copies"), "preemptions": delta("preemptions")}
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """``fn(*args)`` and the seconds it took."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
 
 
 def timed_sleep(llm: LLM, preempt: bool = False) -> float:

@@ -76,7 +76,8 @@ class MetricsLogger:
         every = self.config.console_every
         if every and step % every == 0:
             shown = ("loss", "reward", "reward_std", "completion_length", "clip_fraction",
-                     "sampler_logprob_diff_max", "rollout_tok_per_s", "sync_seconds")
+                     "sampler_logprob_diff_max", "rollout_tok_per_s", "rollout_seconds",
+                     "train_seconds", "sync_seconds")
             parts = [f"{key}={metrics[key]:.4g}" for key in shown if key in metrics]
             tqdm.write(f"step {step}: " + " ".join(parts))
 

@@ -47,6 +47,7 @@ from .generation import (
     evaluation_rollout,
     generate_groups,
     make_collector,
+    timed,
     timed_sleep,
     timed_wake,
 )
@@ -205,8 +206,8 @@ class Trainer:
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
         sleep_seconds = timed_sleep(self.llm, preempt=self.partial is not None) \
             if self.config.rollout.sleep_between_steps else 0.0
-        metrics = self._optimize(batch, batch.rewards)
-        metrics["sync_seconds"] = self.sync_weights()
+        metrics, train_seconds = timed(self._optimize, batch, batch.rewards)
+        metrics.update(sync_seconds=self.sync_weights(), train_seconds=train_seconds)
         if self.partial is not None and self.config.rollout.partial.carried_kv == "recompute":
             self.llm.engine.recompute_unfinished()
         metrics.update(batch.summary(), **engine_metrics, **batch.metrics)
