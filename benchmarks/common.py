@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from tandem.rollout import LLM
 from tandem.rollout.default_model import embedded_model_dir
 
 NUM_THREADS = 2
@@ -129,3 +130,10 @@ def timed_steps(trainer, steps: int) -> list[dict[str, float]]:
         metrics["step_seconds"] = time.perf_counter() - start
         history.append(metrics)
     return history
+
+
+def report_linear_layout(llm: LLM) -> None:
+    """Print the CPU linear layout the engine timed fastest when it loaded (see
+    ``kernels/cpu_linear.py``): figures from different machines may differ by it."""
+    print(f"  tandem's linear layout: {llm.engine.runner.model.linear_layout or 'F.linear'}",
+          flush=True)

@@ -59,6 +59,7 @@ from common import (
     measure,
     model_folder,
     print_table,
+    report_linear_layout,
     setup_torch,
 )
 from matmul_floor import floor_seconds
@@ -101,6 +102,7 @@ def read_bandwidth() -> float:
 def bench_tandem(dtype: str, prompt_ids: list[int], repeats: int) -> Run:
     """Time Tandem's greedy ``LLM.generate`` of exactly ``NEW_TOKENS`` tokens."""
     llm = LLM(str(model_folder()), dtype=dtype)
+    report_linear_layout(llm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
     def call() -> list[int]:

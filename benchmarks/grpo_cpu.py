@@ -110,6 +110,7 @@ from common import (
     measure,
     model_folder,
     print_table,
+    report_linear_layout,
     setup_torch,
     tokens_until_eos,
 )
@@ -254,6 +255,7 @@ def tandem_call(folder: Path, dtype: str, work: Workload) -> tuple[LLM, Callable
     """Tandem's engine for the workload and its generation call, which resets the prefix
     cache first and returns each sequence's generated tokens through EOS."""
     llm = LLM(str(folder), dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES.get(work.name))
+    report_linear_layout(llm)
     params = SamplingParams(n=work.n, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
 
     def call() -> list[int]:
