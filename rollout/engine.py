@@ -279,13 +279,12 @@ class LLMEngine:
         every = {name for name, _ in self.runner.model.named_parameters(remove_duplicate=False)}
         return every - set(self.weight_parameters())
 
-    def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
-                       alias: bool) -> None:
+    def commit_weights(self, staged: dict[str, torch.Tensor], version: int, alias: bool) -> None:
         """Swap staged tensors in between steps; bump the version and the prefix-cache key.
 
         A copy keeps every parameter's storage, so the decode graphs stay valid; an alias
-        that moves one to new storage recaptures them, and ends packed weights (an aliased
-        weight changes in place unseen).
+        that moves one to new storage recaptures them, and ends the CPU weight copies (an
+        aliased weight changes in place unseen).
         """
         with self.lock, torch.no_grad():
             parameters, moved = self.weight_parameters(), False

@@ -200,15 +200,11 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
 def timed_sleep(llm: LLM, preempt: bool = False) -> float:
     """Put the engine to sleep at level 1 (its KV pool freed; ``preempt``: unfinished
     requests kept, to recompute on wake-up); returns the seconds it took."""
-    start = time.perf_counter()
-    llm.sleep(1, preempt)
-    return time.perf_counter() - start
+    return timed(llm.sleep, 1, preempt)[1]
 
 
 def timed_wake(llm: LLM) -> float | None:
     """Wake the engine if it sleeps; returns the seconds it took, or None when it was awake."""
     if not llm.is_sleeping:
         return None
-    start = time.perf_counter()
-    llm.wake_up()
-    return time.perf_counter() - start
+    return timed(llm.wake_up)[1]

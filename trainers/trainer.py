@@ -10,7 +10,6 @@ the start of the next ones.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -328,15 +327,13 @@ class Trainer:
 
     def sync_weights(self) -> float:
         """Push the policy's weights (or its adapter) into the engine; returns the seconds."""
-        start = time.perf_counter()
         model = self.policy.model
         if self.lora_sync is not None:
             from tandem.sync import peft_adapter_state
 
-            self.lora_sync.update(*peft_adapter_state(model))
-        else:
-            self.llm.update_weights(full_named_parameters(model), alias=self.config.sync_alias)
-        return time.perf_counter() - start
+            return timed(lambda: self.lora_sync.update(*peft_adapter_state(model)))[1]
+        return timed(lambda: self.llm.update_weights(full_named_parameters(model),
+                                                     alias=self.config.sync_alias))[1]
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts: each reward's mean, and ``accuracy``

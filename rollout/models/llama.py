@@ -1,9 +1,9 @@
 """Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
 
 Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up projections), so
-a checkpoint loads name for name and a trainer's weights need no mapping. On CPU the
-projections that read the same input still multiply as one packed matrix
-(``FusedProjections``).
+a checkpoint loads name for name and a trainer's weights need no mapping. On CPU, when the
+engine keeps copies of the weights (``pack_linear_weights``), the projections that read the
+same input still multiply as one matrix (``FusedProjections``).
 """
 
 from __future__ import annotations
