@@ -4,10 +4,10 @@ in serving, and pyproject listing every package."""
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_DIRS = ("rollout", "sync", "kernels")
