@@ -9,6 +9,8 @@ from .held import Continuation
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputsParams
 
 __all__ = ["LLM", "CompletionOutput", "Continuation", "EngineAsleepError", "EngineConfig",
-           "LLMEngine", "RequestOutput", "SamplingParams", "WeightUpdateError"]
+           "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "WeightUpdateError"]

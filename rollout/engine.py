@@ -70,7 +70,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.runner.capture_graphs()
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size,
-                                              self.max_model_len)
+                                              self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
@@ -121,7 +121,8 @@ class LLMEngine:
         Raises:
             ValueError: for a duplicate request id (or, with ``hold_kv``, one whose earlier
                 completions are still held), n above max_num_seqs, a prompt
-                ``process_prompt`` refuses, or a continuation of nothing held (nothing queued).
+                ``process_prompt`` refuses, a continuation of nothing held, or a
+                ``structured_outputs`` that does not compile (nothing queued).
             EngineAsleepError: while the engine sleeps.
         """
         self.add_requests([request_id], [prompt], [sampling_params], hold_kv)
@@ -139,12 +140,13 @@ class LLMEngine:
                                     "wake_up() before generating.")
         self._check_new_requests(request_ids, prompts, params, hold_kv)
         resolved = [self._resolve(prompt) for prompt in prompts]
+        grammars = [self.input_processor.grammar(p) for p in params]
         continued = [held for _, held in resolved if held is not None]
         if len({id(seq) for seq in continued}) < len(continued):
             raise ValueError("one call continues a held completion twice: continue it once.")
-        for request_id, (prompt, held), p in zip(request_ids, resolved, params):
-            request = Request(request_id, prompt.prompt, prompt.prompt_token_ids, p)
-            self._queue(request, hold_kv, held)
+        for request_id, (prompt, held), p, g in zip(request_ids, resolved, params, grammars):
+            self._queue(Request(request_id, prompt.prompt, prompt.prompt_token_ids, p, g),
+                        hold_kv, held)
 
     def _resolve(self, prompt: EnginePrompt) -> tuple[ProcessedPrompt, Sequence | None]:
         """The processed prompt, and for a continuation the held sequence it resumes."""
@@ -250,11 +252,8 @@ class LLMEngine:
 
     def weight_update(self, version: int | None = None, full: bool = True,
                       alias: bool = False) -> WeightUpdate:
-        """Begin a staged weight update (``load`` tensors, then ``commit`` or ``abort``).
-
-        See ``tandem.sync.WeightUpdate``; as a context manager it commits on exit and aborts
-        on an exception.
-        """
+        """Begin a staged weight update (``tandem.sync.WeightUpdate``): ``load`` tensors, then
+        ``commit`` or ``abort``; as a context manager it commits, or aborts on an exception."""
         return WeightUpdate(self, version, full, alias)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

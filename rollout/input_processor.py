@@ -13,6 +13,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from .sampling_params import SamplingParams
+from .structured_outputs import Grammar, GrammarCache
+
 Prompt = str | list[int]
 
 
@@ -31,13 +34,24 @@ class InputProcessor:
         tokenizer: the model's tokenizer (None when the folder has none: ids only).
         vocab_size: the model's vocabulary (token ids must lie below it).
         max_model_len: the longest sequence; a prompt must leave room for one new token.
+        stop_token_ids: the tokens that end a completion (a grammar allows them at its end).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, stop_token_ids: set[int]) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = GrammarCache(tokenizer, vocab_size, sorted(stop_token_ids))
+
+    def grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled constraint of a request's ``structured_outputs`` (None without one).
+
+        Raises:
+            ValueError: as ``GrammarCache.get``.
+        """
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.get(spec)
 
     def process(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """The checked token ids of a prompt given as text, ids, or already processed.

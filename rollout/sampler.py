@@ -1,7 +1,8 @@
 """Turns last-position logits into tokens and the log-probs the trainer needs.
 
-Order of processing, per row: repetition / presence / frequency penalties, min_tokens
-suppression of stop tokens, temperature, top-k, top-p, min-p. The returned log-prob of a
+Order of processing, per row: the grammar mask of structured outputs, repetition /
+presence / frequency penalties, min_tokens suppression of stop tokens (not once a grammar
+is complete: it allows nothing else), temperature, top-k, top-p, min-p. The returned log-prob of a
 token is its log-prob under that *processed* distribution (float32): after temperature, and
 renormalised over the tokens that truncation kept. Greedy rows (temperature 0) take the
 argmax and report log-probs of the penalised logits at temperature 1, untruncated.
@@ -13,6 +14,7 @@ import torch
 
 from .outputs import SamplerOutput
 from .sequence import Sequence
+from .structured_outputs import apply_grammar_masks
 
 
 class Sampler:
@@ -27,6 +29,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token for each ``seqs[i]`` from ``logits[i]``."""
         logits = logits.float()
+        apply_grammar_masks(logits, seqs)
         self._apply_penalties(logits, seqs)
         self._suppress_stop_tokens(logits, seqs)
         processed = self._apply_temperature(logits, seqs)
@@ -77,7 +80,8 @@ class Sampler:
     def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if seq.num_output_tokens < params.min_tokens:
+            if seq.num_output_tokens < params.min_tokens and not (
+                    seq.matcher is not None and seq.matcher.is_completed()):
                 stops = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
                 logits[row, stops] = float("-inf")
 

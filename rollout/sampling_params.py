@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured_outputs import StructuredOutputsParams
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -46,6 +48,11 @@ class SamplingParams:
         "cache.")})
     skip_special_tokens: bool = field(default=True, metadata={"help": (
         "leave special tokens out of the text.")})
+    structured_outputs: StructuredOutputsParams | None = field(default=None, metadata={
+        "help": (
+            "constrain each completion to a JSON schema (json), a regex, one of a choice "
+            "list, an EBNF grammar, any JSON object (json_object) or a structural tag "
+            "(xgrammar's); the log-probs are those of the constrained distribution.")})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +61,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 is greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
@@ -85,6 +94,14 @@ class SamplingParams:
     def truncates(self) -> bool:
         """True when sampling keeps only part of the vocabulary (top-k, top-p or min-p)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
+
+
+def _structured(fields: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields)
+    except TypeError as exc:
+        raise ValueError(f"SamplingParams.structured_outputs={fields!r} is invalid: {exc}; "
+                         "its fields are those of StructuredOutputsParams.") from exc
 
 
 def _check(ok: bool, name: str, value: object, valid: str) -> None:

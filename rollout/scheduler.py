@@ -274,6 +274,8 @@ class Scheduler:
         """
         params = seq.sampling_params
         token = seq.token_ids[-1]
+        if seq.matcher is not None and seq.matcher.is_terminated():
+            return "stop"  # the grammar ended (on a stop token), whatever ignore_eos says
         if seq.num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.stop_reason = token

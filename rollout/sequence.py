@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from .sampling_params import SamplingParams
+from .structured_outputs import Grammar
 
 
 class SequenceStatus(Enum):
@@ -36,7 +38,9 @@ class Sequence:
     ``hold_kv`` keeps its blocks when it finishes (see ``held.py``); ``resume_from`` is the
     held sequence a continuation takes its blocks from when it is admitted. The first
     sequence of a group carries the others in ``pending_children`` until its prompt is
-    prefilled; then they fork from it, sharing its blocks.
+    prefilled; then they fork from it, sharing its blocks. A request with
+    ``structured_outputs`` gives each sequence its own grammar ``matcher`` (xgrammar's),
+    advanced on every token it samples.
     """
 
     seq_id: int
@@ -60,6 +64,7 @@ class Sequence:
     sampling_thresholds: list[float] = field(default_factory=list)
     hold_kv: bool = False
     resume_from: Sequence | None = None
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +109,8 @@ class Sequence:
         """Append a sampled token with its log-probs, the weight version it was sampled
         under and its truncation threshold (when sampling truncated)."""
         self.token_ids.append(token_id)
+        if self.matcher is not None:
+            self.matcher.accept_token(token_id)
         self.logprobs.append(logprob)
         if top_logprobs is not None:
             self.top_logprobs.append(top_logprobs)
@@ -123,12 +130,14 @@ def child_seed(seed: int, index: int) -> int:
 
 @dataclass(slots=True)
 class Request:
-    """One prompt and its ``n`` sequences (a *group* when n > 1)."""
+    """One prompt and its ``n`` sequences (a *group* when n > 1), and the compiled
+    ``grammar`` of its ``structured_outputs`` (None without)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
+    grammar: Grammar | None = None
     seqs: list[Sequence] = field(default_factory=list)
 
     @property
@@ -149,7 +158,8 @@ class Request:
             seq_id=next(seq_ids), request_id=self.request_id, index=index,
             token_ids=list(prompt), num_prompt_tokens=len(prompt), sampling_params=params,
             seed=None if params.seed is None else child_seed(params.seed, index),
-            hold_kv=hold_kv) for index in range(params.n)]
+            hold_kv=hold_kv, matcher=self.grammar and self.grammar.matcher())
+            for index in range(params.n)]
         first, *children = self.seqs
         for child in children:
             child.status = SequenceStatus.FORK_PENDING

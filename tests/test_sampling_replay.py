@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 from tandem.rollout import LLM, SamplingParams
 from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
 from tandem.trainers.losses import masked_mean
-from tandem.trainers.policy import SamplingReplay, completion_logprobs, pad_rows, token_batch
+from tandem.trainers.policy import completion_logprobs, pad_rows, sampling_replay, token_batch
 from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
@@ -40,9 +40,10 @@ def test_trainer_logprobs_replay_the_engines_truncated_distribution(llm, hf_mode
                       torch.float32)
     with torch.no_grad():
         plain, _, _ = completion_logprobs(hf_model, tokens, 1.0)
-        tokens.replay = SamplingReplay.from_rows(
-            [c.sampling_thresholds for c in completions], tokens.num_completion_slots,
-            truncation.get("top_k", 0), truncation.get("top_p", 1.0), torch.device("cpu"))
+        tokens.replay = sampling_replay(
+            [c.sampling_thresholds for c in completions], [c.token_ids for c in completions],
+            None, tokens.num_completion_slots, truncation.get("top_k", 0),
+            truncation.get("top_p", 1.0), torch.device("cpu"))
         replayed, _, differs = completion_logprobs(hf_model, tokens, 1.0)
     real = mask.bool()
     assert (plain - engine).abs()[real].mean() > 1e-3  # untruncated, the mass shows
@@ -65,3 +66,21 @@ def test_a_step_at_top_p_stays_on_policy_and_logs_differing_sets(llama_dir, tmp_
     metrics = Trainer(config, task=task).train_step()
     assert metrics["sampler_logprob_diff_mean"] < 2e-5
     assert metrics["sampling_set_differs_fraction"] < 0.001
+
+
+@pytest.mark.parametrize("truncation", [{}, dict(top_p=0.9)])
+def test_a_step_with_structured_outputs_replays_the_grammar_masks(llama_dir, tmp_path,
+                                                                  truncation):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    task = Task(lambda seed, index: {"prompt": f"JSON {index}:"}, [],
+                {"length": lambda completion_ids, **_: [float(len(i)) for i in completion_ids]},
+                [("length", 1.0)])
+    config = TrainConfig(
+        model=str(llama_dir), steps=1, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=2, num_generations=4, max_tokens=12,
+                              engine={"num_kv_blocks": 64}, **truncation,
+                              structured_outputs={"json": schema}),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    metrics = Trainer(config, task=task).train_step()
+    # Unmasked, the trainer's log-probs would miss the grammar's mass by far more than this.
+    assert metrics["sampler_logprob_diff_max"] < 1e-4

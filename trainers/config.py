@@ -103,6 +103,9 @@ class RolloutConfig:
             the engine's max_model_len).
         dynamic_sampling: admit prompts in place of groups whose rewards do not spread.
         partial: carry unfinished groups across steps instead of waiting for them.
+        structured_outputs: ``StructuredOutputsParams`` fields (e.g. ``{json: <schema>}``)
+            constraining every completion; the trainer replays the grammar's masks, so its
+            log-probs are of the same constrained distribution. Single-turn tasks only.
     """
 
     prompts_per_step: int = 8
@@ -117,6 +120,7 @@ class RolloutConfig:
     max_total_tokens: int | None = None
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
+    structured_outputs: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -195,7 +199,8 @@ class TrainConfig:
             names one).
         autocast: run the trainer's forward passes under ``torch.autocast`` in this dtype
             (``"bfloat16"`` on a GPU keeps float32 master weights); None: no autocast.
-        task: the dataset and its rewards (``arith``, ``gsm8k``, ``target_token``).
+        task: the dataset and its rewards (``arith``, ``calculator``, ``dataset``, ``gsm8k``,
+            ``target_token``: see trainers/tasks.py).
         task_args: keyword arguments of the task.
         rewards: the reward functions and weights (default: the task's).
         steps: optimizer steps.

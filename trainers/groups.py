@@ -101,7 +101,7 @@ def rollout_params(config: RolloutConfig, seed: int) -> SamplingParams:
     """A group's sampling: ``num_generations`` completions with their processed log-probs."""
     return SamplingParams(n=config.num_generations, temperature=config.temperature,
                           top_p=config.top_p, top_k=config.top_k, max_tokens=config.max_tokens,
-                          logprobs=0, seed=seed)
+                          logprobs=0, seed=seed, structured_outputs=config.structured_outputs)
 
 
 class CompletionSource:

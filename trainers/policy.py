@@ -14,48 +14,57 @@ import torch
 from torch import nn
 
 from tandem.rollout.sampler import apply_top_k, apply_top_p
+from tandem.rollout.structured_outputs import Grammar, grammar_bitmasks, unpack_bitmask
 
 
 @dataclass(slots=True)
 class SamplingReplay:
-    """What the engine's truncated sampling kept, to rebuild its distribution exactly.
+    """What the engine's processed sampling kept, to rebuild its distribution exactly: the
+    structured-outputs grammar's allowed tokens, then the truncated set among them.
 
     Attributes:
         thresholds: ``[B, C]`` per completion slot the engine's kept-set threshold (the
             logit after temperature halfway between its last kept and first dropped token;
-            -inf where nothing was dropped).
+            -inf where nothing was dropped); None when sampling did not truncate.
         top_k: the rollout's top-k (0: off), to count where the trainer's own set differs.
         top_p: the rollout's top-p (1: off), the same.
+        grammar_masks: ``[B, C, ceil(V / 32)]`` int32, per slot the packed mask of tokens
+            the grammar allowed (``grammar_bitmasks``); None without structured outputs.
         measure: count those differences (a sort over the vocabulary per token); off for
             no-grad scoring passes, whose count no one reads.
     """
 
-    thresholds: torch.Tensor
+    thresholds: torch.Tensor | None
     top_k: int
     top_p: float
+    grammar_masks: torch.Tensor | None = None
     measure: bool = True
-
-    @classmethod
-    def from_rows(cls, thresholds: list[list[float]], width: int, top_k: int, top_p: float,
-                  device: torch.device) -> SamplingReplay:
-        """The replay of per-row thresholds, padded to ``width`` slots with -inf."""
-        return cls(pad_rows(thresholds, width, float("-inf"), torch.float32).to(device),
-                   top_k, top_p)
 
     def rows(self, rows: slice) -> SamplingReplay:
         """The replay of rows ``rows``."""
-        return SamplingReplay(self.thresholds[rows], self.top_k, self.top_p, self.measure)
+        return dataclasses.replace(self, thresholds=_part(self.thresholds, rows),
+                                   grammar_masks=_part(self.grammar_masks, rows))
+
+    def allowed(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[B, C, V]`` the tokens the grammar allowed (all, without one)."""
+        if self.grammar_masks is None:
+            return torch.ones_like(logits, dtype=torch.bool)
+        return unpack_bitmask(self.grammar_masks, logits.shape[-1])
 
     def kept(self, logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """``[B, C, V]`` the engine's kept set, rebuilt on ``logits`` (after temperature):
-        every token at or above the threshold, and always the sampled one."""
-        kept = logits >= self.thresholds.unsqueeze(-1)
+        every allowed token at or above the threshold, and always the sampled one."""
+        kept = self.allowed(logits)
+        if self.thresholds is not None:
+            kept &= logits >= self.thresholds.unsqueeze(-1)
         return kept.scatter(-1, token_ids.unsqueeze(-1), True)
 
     def own_set_differs(self, logits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """``[B, C]`` 1 where the trainer's own top-k / top-p set on ``logits`` is not the
-        engine's (float noise moved a token across the boundary)."""
-        rows = logits.detach().reshape(-1, logits.shape[-1])
+        """``[B, C]`` 1 where the trainer's own top-k / top-p set on ``logits`` (among the
+        allowed tokens) is not the engine's (float noise moved a token across the
+        boundary)."""
+        logits = logits.detach().masked_fill(~self.allowed(logits), float("-inf"))
+        rows = logits.reshape(-1, logits.shape[-1])
         if self.top_k:
             rows = apply_top_k(rows, [self.top_k] * rows.shape[0])
         if self.top_p < 1.0:
@@ -113,6 +122,25 @@ def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float
             target = out[i, width - len(row):] if left else out[i, :len(row)]
             target.copy_(torch.tensor(row, dtype=dtype))
     return out
+
+
+def _part(tensor: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
+    return None if tensor is None else tensor[rows]
+
+
+def sampling_replay(thresholds: list[list[float]] | None, completion_ids: list[list[int]],
+                    grammar: Grammar | None, width: int, top_k: int, top_p: float,
+                    device: torch.device) -> SamplingReplay | None:
+    """The replay of a rollout batch (``width`` completion slots): the engine's per-token
+    thresholds when it truncated, and the masks of ``grammar`` (structured outputs) replayed
+    over the completions; None when sampling neither truncated nor was constrained."""
+    if thresholds is None and grammar is None:
+        return None
+    return SamplingReplay(
+        None if thresholds is None else
+        pad_rows(thresholds, width, float("-inf"), torch.float32).to(device), top_k, top_p,
+        None if grammar is None else
+        grammar_bitmasks(grammar, completion_ids, width).to(device))
 
 
 def token_batch(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int,

@@ -50,10 +50,10 @@ from .generation import (
     timed_sleep,
     timed_wake,
 )
-from .groups import Group
+from .groups import Group, rollout_params
 from .logger import MetricsLogger
 from .losses import masked_mean
-from .policy import Policy, SamplingReplay, TokenBatch, ValueHead, pad_rows, token_batch
+from .policy import Policy, TokenBatch, ValueHead, pad_rows, sampling_replay, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
 from .tasks import Example, Task, build_task
 
@@ -73,9 +73,9 @@ class Trainer:
     def __init__(self, config: TrainConfig, task: Task | None = None) -> None:
         self.config = config
         self.context = init_distributed(config.rollout.engine.get("device"))
+        self.task = task or build_task(config.task, **config.task_args)
         self._check_layout()
         torch.manual_seed(config.seed)
-        self.task = task or build_task(config.task, **config.task_args)
         self.rewards = self._build_rewards()
         self.model_dir = resolve_model(config.model)
         self.output_dir = Path(config.output_dir)
@@ -123,6 +123,9 @@ class Trainer:
                              "adapter is small) or full fine-tuning.")
         if config.sync_alias and config.lora.enabled:
             raise ValueError("sync_alias applies to full updates: turn it off with LoRA.")
+        if config.rollout.structured_outputs and self.task.environment is not None:
+            raise ValueError("rollout.structured_outputs constrains single-turn completions: "
+                             "leave it out for a task with an environment.")
 
     def _build_rewards(self) -> list[WeightedReward]:
         chosen = [(r.name, r.weight) for r in self.config.rewards] or self.task.default_rewards
@@ -181,8 +184,7 @@ class Trainer:
                    disable=not (self.context.is_main and config.logging.progress_bar))
         history, checkpoint = [], None
         for _ in bar:
-            metrics = self.train_step()
-            history.append(metrics)
+            history.append(metrics := self.train_step())
             self.logger.log(self.step, metrics)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}")
             if config.checkpoint_every and self.step % config.checkpoint_every == 0:
@@ -211,8 +213,7 @@ class Trainer:
             self.llm.engine.recompute_unfinished()
         metrics.update(batch.summary(), **engine_metrics, **batch.metrics)
         metrics.update(sleep_seconds=sleep_seconds, wake_seconds=wake_seconds,
-                       weight_version=float(self.llm.weight_version),
-                       lr=self.scheduler.get_last_lr()[0])
+                       lr=self.scheduler.get_last_lr()[0], weight_version=self.llm.weight_version)
         return all_reduce_metrics(metrics, self.context)
 
     def _rollouts(self, examples: list[Example], seed: int,
@@ -261,10 +262,11 @@ class Trainer:
                                    torch.float32).to(device)
         sampler_logprobs = pad_rows(batch.sampler_logprobs, tokens.num_completion_slots, 0.0,
                                     torch.float32).to(device)
-        if batch.sampling_thresholds is not None:  # the engine truncated: replay its sets
-            tokens.replay = SamplingReplay.from_rows(
-                batch.sampling_thresholds, tokens.num_completion_slots,
-                self.config.rollout.top_k, self.config.rollout.top_p, device)
+        rollout = self.config.rollout  # replay what the engine's sampling kept, if it cut
+        tokens.replay = sampling_replay(
+            batch.sampling_thresholds, batch.completion_ids,
+            self.llm.engine.input_processor.grammar(rollout_params(rollout, 0)),
+            tokens.num_completion_slots, rollout.top_k, rollout.top_p, device)
         targets = self.algorithm.prepare(
             rewards.to(device), batch.group_ids.to(device), mask,
             lambda values, reference: self._score(tokens, values, reference))
