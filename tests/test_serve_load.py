@@ -72,9 +72,14 @@ def test_non_standard_json_constants_are_refused():
     assert serve_load.strict_json('{"logprob": -1.5}') == {"logprob": -1.5}
 
 
+def rendered(stats: dict[str, int]) -> str:
+    """The /metrics text of a server whose engine's ``stats()`` are ``stats``."""
+    return ServerMetrics("tiny", 256, lambda: stats).render().decode()
+
+
 def test_the_gauges_are_read_from_the_servers_own_rendering():
     stats = {key: 10 + i for i, (key, *_) in enumerate(ENGINE_METRICS)}
-    values = serve_load.parse_metrics(ServerMetrics("tiny").render(stats))
+    values = serve_load.parse_metrics(rendered(stats))
     assert values["tandem:kv_cache_blocks_used"] == stats["kv_blocks_used"]
     assert values["tandem:num_requests_waiting"] == stats["num_waiting"]
 
@@ -127,9 +132,9 @@ def test_without_error_request_count_the_error_summary_counts_and_missing_metric
 
 def test_tandems_prefix_cache_hit_rate_is_read_from_its_own_rendering():
     stats = {key: 0 for key, *_ in ENGINE_METRICS}
-    before = serve_aiperf.prefix_cache_tokens(ServerMetrics("m").render(
+    before = serve_aiperf.prefix_cache_tokens(rendered(
         stats | {"prefix_cache_queried_tokens": 564, "prefix_cache_hit_tokens": 0}), "tandem")
-    after = serve_aiperf.prefix_cache_tokens(ServerMetrics("m").render(
+    after = serve_aiperf.prefix_cache_tokens(rendered(
         stats | {"prefix_cache_queried_tokens": 1692, "prefix_cache_hit_tokens": 992}), "tandem")
     assert (before, after) == ((564, 0), (1692, 992))
     assert serve_aiperf.hit_rate(before, after) == pytest.approx(992 / 1128)

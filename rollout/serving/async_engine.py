@@ -35,7 +35,8 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class TrackedRequest:
-    """A request the loop drives: its id, where its outputs go, its latency marks."""
+    """A request the loop drives: its id, where its outputs go, its latency marks
+    (``scheduled_time``: the start of the first step that scheduled it)."""
 
     request_id: str
     outputs: asyncio.Queue
@@ -44,12 +45,14 @@ class TrackedRequest:
     deadline: Deadline | None = None
     num_output_tokens: int = 0
     last_token_time: float | None = None
+    scheduled_time: float | None = None
 
 
 @dataclass(slots=True)
 class _StepReport:
-    """What one step did, gathered on the engine thread."""
+    """What one step did, gathered on the engine thread (``started``: when it began)."""
 
+    started: float
     finished: list[RequestOutput]
     waiting: set[str]
     num_output_tokens: dict[str, int] = field(default_factory=dict)
@@ -193,7 +196,7 @@ class AsyncLLMEngine:
         """Stop a request after the current step and free its blocks (without waiting)."""
         if self._untrack(request_id) is None:
             return
-        self.metrics.aborted_requests += 1
+        self.metrics.aborted_requests.inc()
         self._executor.submit(self.engine.abort_request, request_id)
         self._update_state()
 
@@ -257,7 +260,7 @@ class AsyncLLMEngine:
             # None: the engine had not seen it yet (its add was still queued); it runs on.
             tracked = self._untrack(request_id) if output is not None else None
             if tracked is not None:
-                self.metrics.aborted_requests += 1
+                self.metrics.aborted_requests.inc()
                 tracked.outputs.put_nowait(output)
         self._update_state()
 
@@ -283,7 +286,8 @@ class AsyncLLMEngine:
             self._dispatch(report)
 
     def _step(self, watched: list[tuple[str, int, bool]]) -> _StepReport:
-        report = _StepReport(self.engine.step(), self._waiting_request_ids())
+        started = time.monotonic()
+        report = _StepReport(started, self.engine.step(), self._waiting_request_ids())
         for request_id, seen, stream in watched:
             num_output_tokens = self.engine.num_output_tokens(request_id)
             if num_output_tokens is None:
@@ -297,23 +301,38 @@ class AsyncLLMEngine:
         now = time.monotonic()
         for request_id, num_tokens in report.num_output_tokens.items():
             self._count_tokens(request_id, num_tokens, now)
+            if request_id not in report.waiting:
+                self._mark_scheduled(request_id, report.started)
         for request_id, snapshot in report.snapshots.items():
             if request_id in self._tracked:
                 self._tracked[request_id].outputs.put_nowait(snapshot)
         for output in report.finished:
-            self._count_tokens(output.request_id,
-                               sum(len(c.token_ids) for c in output.outputs), now)
-            tracked = self._untrack(output.request_id)
-            if tracked is not None:
-                tracked.outputs.put_nowait(output)
+            self._finish(output, report.started, now)
         self._set_engine_waiting(report.waiting)
         self._update_state()
+
+    def _mark_scheduled(self, request_id: str, started: float) -> None:
+        tracked = self._tracked.get(request_id)
+        if tracked is not None and tracked.scheduled_time is None:
+            tracked.scheduled_time = started
+
+    def _finish(self, output: RequestOutput, started: float, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        self._count_tokens(output.request_id, num_tokens, now)
+        tracked = self._untrack(output.request_id)
+        if tracked is None:
+            return
+        # Unmarked: it finished in the very step that first scheduled it.
+        scheduled = started if tracked.scheduled_time is None else tracked.scheduled_time
+        self.metrics.request_finished(scheduled - tracked.arrival, now - tracked.arrival,
+                                      len(output.prompt_token_ids), num_tokens)
+        tracked.outputs.put_nowait(output)
 
     def _count_tokens(self, request_id: str, num_tokens: int, now: float) -> None:
         tracked = self._tracked.get(request_id)
         if tracked is None or num_tokens <= tracked.num_output_tokens:
             return
-        self.metrics.generation_tokens += num_tokens - tracked.num_output_tokens
+        self.metrics.generation_tokens.inc(num_tokens - tracked.num_output_tokens)
         if tracked.last_token_time is None:
             self.metrics.time_to_first_token.observe(now - tracked.arrival)
         else:

@@ -1,114 +1,154 @@
-"""The server's metrics in Prometheus' text exposition format (written here: no dependency).
+"""The server's metrics, kept and rendered by ``prometheus_client`` (vLLM's choice).
 
 Names follow vLLM's ``vllm:`` metrics under a ``tandem:`` prefix, so dashboards carry over.
+Each server has its own ``CollectorRegistry`` (several servers may share a process, as the
+tests' do), never the library's global one.
 """
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
-CONTENT_TYPE = "text/plain; version=0.0.4"  # the server adds "; charset=utf-8"
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 SYNC_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-# (stats() key, metric name, type, help) for the engine's counters.
+# vLLM's request_latency_buckets (its e2e latency and queue time histograms).
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# (stats() key, metric name, family, help) for the engine's counters.
 ENGINE_METRICS = (
-    ("num_running", "num_requests_running", "gauge", "Sequences in the running batch."),
-    ("num_waiting", "num_requests_waiting", "gauge", "Sequences waiting to be scheduled."),
-    ("kv_blocks_total", "kv_cache_blocks", "gauge", "KV blocks in the pool."),
-    ("kv_blocks_used", "kv_cache_blocks_used", "gauge", "KV blocks held by sequences."),
-    ("weight_version", "weight_version", "gauge", "Version of the weights being served."),
-    ("prefix_cache_queried_tokens", "prefix_cache_queries", "counter",
+    ("num_running", "num_requests_running", GaugeMetricFamily,
+     "Sequences in the running batch."),
+    ("num_waiting", "num_requests_waiting", GaugeMetricFamily,
+     "Sequences waiting to be scheduled."),
+    ("kv_blocks_total", "kv_cache_blocks", GaugeMetricFamily, "KV blocks in the pool."),
+    ("kv_blocks_used", "kv_cache_blocks_used", GaugeMetricFamily,
+     "KV blocks held by sequences."),
+    ("weight_version", "weight_version", GaugeMetricFamily,
+     "Version of the weights being served."),
+    ("prefix_cache_queried_tokens", "prefix_cache_queries", CounterMetricFamily,
      "Prompt tokens looked up in the prefix cache."),
-    ("prefix_cache_hit_tokens", "prefix_cache_hits", "counter",
+    ("prefix_cache_hit_tokens", "prefix_cache_hits", CounterMetricFamily,
      "Prompt tokens found in the prefix cache."),
-    ("cow_copies", "cow_copies", "counter", "Copy-on-write copies of shared KV blocks."),
-    ("preemptions", "num_preemptions", "counter", "Sequences preempted for lack of KV blocks."),
+    ("cow_copies", "cow_copies", CounterMetricFamily,
+     "Copy-on-write copies of shared KV blocks."),
+    ("preemptions", "num_preemptions", CounterMetricFamily,
+     "Sequences preempted for lack of KV blocks."),
 )
+LABEL = "model_name"
+T = TypeVar("T", Counter, Histogram)
 
 
-@dataclass(slots=True)
-class Histogram:
-    """Observations counted into cumulative ``le`` buckets, with their sum."""
-
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * (len(self.buckets) + 1)
-
-    def observe(self, value: float) -> None:
-        """Count one observation."""
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-
-    def lines(self, name: str, labels: str) -> list[str]:
-        """Its sample lines: a cumulative ``_bucket`` per bound, ``_sum`` and ``_count``."""
-        lines, cumulative = [], 0
-        for bound, count in zip((*self.buckets, float("inf")), self.counts):
-            cumulative += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            lines.append(f'{name}_bucket{{{labels},le="{le}"}} {cumulative}')
-        return lines + [f"{name}_sum{{{labels}}} {self.total!r}",
-                        f"{name}_count{{{labels}}} {cumulative}"]
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 series up to ``max_model_len`` (1, 2, 5, 10, 20, 50, ...): the bounds of
+    the per-request token histograms."""
+    series = (mantissa * 10**exponent for exponent in itertools.count()
+              for mantissa in (1, 2, 5))
+    return tuple(itertools.takewhile(lambda bound: bound <= max_model_len, series))
 
 
-@dataclass(slots=True)
-class ServerMetrics:
-    """What the server measures itself; ``render`` adds the engine's ``stats()``."""
+class EngineCollector:
+    """The engine's ``stats()`` as gauges and counters, read afresh at each collection.
 
-    model_name: str
-    time_to_first_token: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
-    inter_token_latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
-    weight_sync_seconds: Histogram = field(default_factory=lambda: Histogram(SYNC_BUCKETS))
-    generation_tokens: int = 0
-    aborted_requests: int = 0
+    Args:
+        model_name: the ``model_name`` label of its samples.
+        engine_stats: returns the engine's ``stats()``; called on the collecting thread.
+    """
 
-    def render(self, stats: dict[str, int]) -> str:
-        """Every metric in the text exposition format (version 0.0.4)."""
-        labels = f'model_name="{_escape(self.model_name)}"'
-        out: list[str] = []
-        for key, name, kind, help_text in ENGINE_METRICS:
-            _family(out, name, kind, help_text, [_sample(name, kind, labels, stats[key])])
-        _family(out, "kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0 to 1).",
-                [f"tandem:kv_cache_usage_perc{{{labels}}} "
-                 f"{stats['kv_blocks_used'] / max(stats['kv_blocks_total'], 1)!r}"])
+    def __init__(self, model_name: str,
+                 engine_stats: Callable[[], Mapping[str, int | float]]) -> None:
+        self.model_name = model_name
+        self.engine_stats = engine_stats
+
+    def collect(self) -> Iterator[Metric]:
+        """One family per ``ENGINE_METRICS`` row, then the KV-cache use and the prefix-cache
+        hit rate derived from them."""
+        stats = self.engine_stats()
+        for key, name, family, help_text in ENGINE_METRICS:
+            yield self._family(family, name, help_text, stats[key])
+        yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
+                           "Fraction of KV blocks in use (0 to 1).",
+                           stats["kv_blocks_used"] / max(stats["kv_blocks_total"], 1))
         queried = stats["prefix_cache_queried_tokens"]
-        _family(out, "prefix_cache_hit_rate", "gauge",
-                "Prefix-cache hits over queried prompt tokens since start (0 before any).",
-                [f"tandem:prefix_cache_hit_rate{{{labels}}} "
-                 f"{stats['prefix_cache_hit_tokens'] / queried if queried else 0.0!r}"])
-        for name, kind, help_text, value in (
-                ("generation_tokens", "counter", "Tokens generated.", self.generation_tokens),
-                ("aborted_requests", "counter", "Requests aborted (client gone, /pause).",
-                 self.aborted_requests)):
-            _family(out, name, kind, help_text, [_sample(name, kind, labels, value)])
-        for name, help_text, histogram in (
-                ("time_to_first_token_seconds", "Arrival to first generated token.",
-                 self.time_to_first_token),
-                ("inter_token_latency_seconds", "Time between a request's successive tokens.",
-                 self.inter_token_latency),
-                ("weight_sync_seconds", "Duration of each weight update received.",
-                 self.weight_sync_seconds)):
-            _family(out, name, "histogram", help_text, histogram.lines(f"tandem:{name}", labels))
-        return "\n".join(out) + "\n"
+        yield self._family(
+            GaugeMetricFamily, "prefix_cache_hit_rate",
+            "Prefix-cache hits over queried prompt tokens since start (0 before any).",
+            stats["prefix_cache_hit_tokens"] / queried if queried else 0.0)
+
+    def _family(self, family: type[Metric], name: str, help_text: str, value: float) -> Metric:
+        metric = family(f"tandem:{name}", help_text, labels=[LABEL])
+        metric.add_metric([self.model_name], value)
+        return metric
 
 
-def _family(out: list[str], name: str, kind: str, help_text: str, samples: list[str]) -> None:
-    name = _full_name(name, kind)
-    out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples]
+class ServerMetrics:
+    """One server's metrics on its own registry: what the server measures itself, and the
+    engine's ``stats()`` through an ``EngineCollector``.
 
+    A request here is one prompt with its ``n`` completions; the four request histograms
+    observe those that finished (an aborted one counts in ``aborted_requests`` only).
 
-def _sample(name: str, kind: str, labels: str, value: float) -> str:
-    return f"{_full_name(name, kind)}{{{labels}}} {value}"
+    Args:
+        model_name: the ``model_name`` label of every sample.
+        max_model_len: the largest bound of the per-request token histograms.
+        engine_stats: returns the engine's ``stats()`` (``render`` calls it).
+    """
 
+    def __init__(self, model_name: str, max_model_len: int,
+                 engine_stats: Callable[[], Mapping[str, int | float]]) -> None:
+        self.model_name = model_name
+        tokens = token_buckets(max_model_len)
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(model_name, engine_stats))
+        self.generation_tokens = self._add(Counter, "generation_tokens", "Tokens generated.")
+        self.aborted_requests = self._add(Counter, "aborted_requests",
+                                          "Requests aborted (client gone, /pause).")
+        self.time_to_first_token = self._add(
+            Histogram, "time_to_first_token_seconds", "Arrival to first generated token.",
+            buckets=LATENCY_BUCKETS)
+        self.inter_token_latency = self._add(
+            Histogram, "inter_token_latency_seconds",
+            "Time between a request's successive tokens.", buckets=LATENCY_BUCKETS)
+        self.weight_sync_seconds = self._add(
+            Histogram, "weight_sync_seconds", "Duration of each weight update received.",
+            buckets=SYNC_BUCKETS)
+        self.e2e_request_latency = self._add(
+            Histogram, "e2e_request_latency_seconds",
+            "Arrival to finish of each finished request.", buckets=REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = self._add(
+            Histogram, "request_queue_time_seconds",
+            "Arrival until the start of the first engine step that scheduled the finished "
+            "request (its first prefill chunk, or its group's prompt).",
+            buckets=REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = self._add(
+            Histogram, "request_prompt_tokens", "Prompt tokens of each finished request.",
+            buckets=tokens)
+        self.request_generation_tokens = self._add(
+            Histogram, "request_generation_tokens",
+            "Tokens generated by each finished request (its n completions together).",
+            buckets=tokens)
 
-def _full_name(name: str, kind: str) -> str:
-    # The 0.0.4 format types a sample by its exact name, so a counter's family keeps _total.
-    return f"tandem:{name}_total" if kind == "counter" else f"tandem:{name}"
+    def request_finished(self, queue_seconds: float, e2e_seconds: float,
+                         num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """Observe a finished request in the four request histograms."""
+        self.request_queue_time.observe(queue_seconds)
+        self.e2e_request_latency.observe(e2e_seconds)
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
 
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format (``prometheus_client.CONTENT_TYPE_LATEST``).
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        It calls ``engine_stats``: call it where the engine may be called.
+        """
+        return generate_latest(self.registry)
+
+    def _add(self, metric: type[T], name: str, help_text: str, **options: object) -> T:
+        """A ``tandem:`` metric on this registry, as its one ``model_name`` child."""
+        return metric(f"tandem:{name}", help_text, [LABEL], registry=self.registry,
+                      **options).labels(self.model_name)

@@ -7,10 +7,10 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..input_processor import Prompt
 from .errors import APIError, error_responses
-from .metrics import CONTENT_TYPE
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import TandemServer
 
@@ -26,9 +26,9 @@ GENERATION_RESPONSES = {
 
 
 class PrometheusResponse(PlainTextResponse):
-    """Prometheus' text exposition format (its version 0.0.4)."""
+    """Prometheus' text exposition format, as ``prometheus_client`` writes it."""
 
-    media_type = CONTENT_TYPE
+    media_type = CONTENT_TYPE_LATEST
 
 
 def openai_routes(server: TandemServer) -> APIRouter:
@@ -75,8 +75,8 @@ def openai_routes(server: TandemServer) -> APIRouter:
 
     @router.get("/metrics", response_class=PrometheusResponse)
     async def metrics() -> PrometheusResponse:
-        stats = await server.async_engine.call(server.engine.stats)
-        return PrometheusResponse(server.metrics.render(stats))
+        # On the engine thread: rendering reads the engine's stats().
+        return PrometheusResponse(await server.async_engine.call(server.metrics.render))
 
     return router
 

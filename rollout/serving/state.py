@@ -48,7 +48,7 @@ class TandemServer:
         self.config = config
         self.model_name = config.served_model_name or str(engine.config.model)
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, engine.max_model_len, engine.stats)
         self.async_engine = AsyncLLMEngine(
             engine, self.metrics,
             config.max_num_waiting or WAITING_PER_SEQ * engine.config.max_num_seqs)

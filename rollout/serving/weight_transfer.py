@@ -20,11 +20,11 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from prometheus_client import Histogram
 
 from tandem.sync import WeightReceiver
 
 from ..engine import LLMEngine
-from .metrics import Histogram
 
 
 class WeightTransferStateError(RuntimeError):
