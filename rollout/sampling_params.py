@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .structured_outputs import StructuredOutputsParams
+from .structured_outputs import StructuredOutputsParams, as_structured_outputs
 
 
 @dataclass(slots=True)
@@ -61,8 +61,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = _structured(self.structured_outputs)
+        self.structured_outputs = as_structured_outputs(self.structured_outputs)
         _check(self.n >= 1, "n", self.n, "an integer >= 1")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0 (0 is greedy)")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "in (0, 1]")
@@ -94,14 +93,6 @@ class SamplingParams:
     def truncates(self) -> bool:
         """True when sampling keeps only part of the vocabulary (top-k, top-p or min-p)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
-
-
-def _structured(fields: dict) -> StructuredOutputsParams:
-    try:
-        return StructuredOutputsParams(**fields)
-    except TypeError as exc:
-        raise ValueError(f"SamplingParams.structured_outputs={fields!r} is invalid: {exc}; "
-                         "its fields are those of StructuredOutputsParams.") from exc
 
 
 def _check(ok: bool, name: str, value: object, valid: str) -> None:

@@ -80,6 +80,25 @@ class StructuredOutputsParams:
         return self.kind, text, self.disable_any_whitespace
 
 
+def as_structured_outputs(value: StructuredOutputsParams | dict | None
+                          ) -> StructuredOutputsParams | None:
+    """``value`` as ``StructuredOutputsParams`` (a dict holds its fields).
+
+    Raises:
+        ValueError: for a dict with other fields, or anything else.
+    """
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs={value!r:.60} is invalid: give an object with "
+                         f"one of {', '.join(KINDS)}.")
+    try:
+        return StructuredOutputsParams(**value)
+    except TypeError as exc:
+        raise ValueError(f"structured_outputs={value!r:.80} is invalid: {exc}; its fields "
+                         "are those of StructuredOutputsParams.") from exc
+
+
 @dataclass(slots=True, frozen=True)
 class Grammar:
     """A compiled constraint (an xgrammar ``CompiledGrammar``), the spec it came from and

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.cli import build_parser
 from tandem.cli.arguments import config_from_arguments
-from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
+from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams
 from tandem.rollout.serving.config import ServerConfig
 from tandem.rollout.serving.middleware import GuardMiddleware
 from tandem.rollout.serving.protocol import ChatCompletionRequest, CompletionRequest
@@ -329,6 +329,8 @@ def changed_value(field: dataclasses.Field, hint: object) -> object:
         return ["Paris"]
     if hint == list[int]:
         return [7]
+    if hint == StructuredOutputsParams | None:
+        return StructuredOutputsParams(regex="[a-z]+")
     raise AssertionError(f"no test value for SamplingParams.{field.name}: {hint}; add one")
 
 

@@ -107,6 +107,29 @@ def refusal(served: tuple[str, LLMEngine], messages: list[dict], **options) -> o
     return refused.value
 
 
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "multiply"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_tool_choice_calls_the_tool_where_the_model_would_answer(served, tool_choice,
+                                                                          stream):
+    # After the tool's result the model answers in text; a forced choice makes it call again.
+    response = ask(served, SECOND_TURN, tool_choice=tool_choice, stream=stream)
+    if stream:
+        calls = [d for chunk in response for d in chunk.choices[0].delta.tool_calls or []]
+        names = [call.function.name for call in calls]
+        arguments = [json.loads(call.function.arguments) for call in calls]
+    else:
+        choice = response.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        names = [call.function.name for call in choice.message.tool_calls]
+        arguments = [json.loads(call.function.arguments) for call in choice.message.tool_calls]
+    assert names and set(names) == {"multiply"}
+    assert all(set(a) == {"a", "b"} and all(isinstance(v, int) for v in a.values())
+               for a in arguments)
+    if isinstance(tool_choice, dict):
+        assert len(names) == 1  # a named function is called once
+
+
 def test_a_template_that_ignores_tools_is_refused(served_without_tools):
     error = refusal(served_without_tools, FIRST_TURN)
     assert "chat template does not render tools" in error.body["message"]
@@ -120,15 +143,14 @@ def test_a_template_that_ignores_tools_is_refused(served_without_tools):
 @pytest.mark.parametrize(("options", "messages", "param", "says"), [
     ({"tool_choice": {"type": "function", "function": {"name": "divide"}}}, FIRST_TURN,
      "tool_choice", ["'divide'", "multiply"]),
-    ({"tool_choice": {"type": "function", "function": {"name": "multiply"}}}, FIRST_TURN,
-     "tool_choice", ["not supported yet", "structured outputs"]),
-    ({"tool_choice": "required"}, FIRST_TURN, "tool_choice", ["'required'", "not supported"]),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, FIRST_TURN,
+     "tool_choice", ["already constrains", "response_format"]),
     ({"tool_choice": "auto", "tools": openai.omit}, FIRST_TURN, "tool_choice",
      ["needs tools"]),
     ({}, [*FIRST_TURN, {"role": "assistant", "content": "", "tool_calls": [
         CALLED | {"function": {"name": "multiply", "arguments": "a=3"}}]}], "messages",
      ["not JSON", "a=3"]),
-], ids=["unknown_function", "named_function", "required", "without_tools", "bad_arguments"])
+], ids=["unknown_function", "forced_and_constrained", "without_tools", "bad_arguments"])
 def test_bad_tool_requests_are_refused_and_leak_nothing(served, options, messages, param, says):
     error = refusal(served, messages, **options)
     assert error.param == param

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,12 @@ from peft import LoraConfig  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
 from tandem.trainers import trl_integration  # noqa: E402
-from tandem.trainers.tasks import arith_task, correct_reward, short_answer_reward  # noqa: E402
+from tandem.trainers.tasks import (  # noqa: E402
+    arith_task,
+    completion_text,
+    correct_reward,
+    short_answer_reward,
+)
 from tandem.trainers.trl_integration import (  # noqa: E402
     TandemConfig,
     check_trl_version,
@@ -152,10 +158,25 @@ def test_trl_version_check_runs_when_building_the_trainer(monkeypatch, llama_dir
                             args=grpo_config(tmp_path), train_dataset=arith_dataset())
 
 
+def test_grpo_trainer_trains_with_a_structured_outputs_regex(llama_dir, tmp_path):
+    pattern, seen = r"[0-9]{1,3}", []
+
+    def recorded(completions: list, **_) -> list[float]:
+        seen.extend(completion_text(c) for c in completions)
+        return [float(len(c)) for c in completions]
+
+    trainer = tandem_grpo_trainer(
+        model=str(llama_dir), reward_funcs=[recorded, even_token_reward], tandem=TANDEM,
+        args=grpo_config(tmp_path, vllm_structured_outputs_regex=pattern),
+        train_dataset=arith_dataset())
+    trainer.train()
+    assert trainer.vllm_generation.llm.weight_version == 2  # two steps, each synced
+    assert len(seen) == 16 and all(re.fullmatch(pattern, c) for c in seen), seen
+
+
 @pytest.mark.parametrize(("overrides", "message"), [
     ({"vllm_mode": "server"}, "vllm_mode='server' is not supported"),
     ({"vllm_tensor_parallel_size": 2}, "vllm_tensor_parallel_size=2 is not supported"),
-    ({"vllm_structured_outputs_regex": r"\d+"}, "vllm_structured_outputs_regex"),
     ({"generation_kwargs": {"logit_bias": {1: 2.0}}}, r"generation_kwargs has \['logit_bias'\]"),
     ({"generation_kwargs": {"n": 2}}, r"generation_kwargs has \['n'\]"),
 ])

@@ -72,7 +72,6 @@ REQUIRED_SETTINGS = (
     ("vllm_mode", "colocate", "Tandem generates inside each training process; for a separate "
      "server use `tandem serve` with TandemClient in a rollout_func"),
     ("vllm_tensor_parallel_size", 1, "each process runs one Tandem engine on its own device"),
-    ("vllm_structured_outputs_regex", None, "Tandem has no structured (guided) decoding"),
 )
 # Set by TRL itself from its own config fields, so not accepted in generation_kwargs.
 OWN_SAMPLING_FIELDS = ("n", "logprobs")
@@ -170,11 +169,15 @@ class TandemGeneration(VLLMGeneration):
         self.accelerator.wait_for_everyone()
 
     def _sampling_params(self) -> SamplingParams:
+        # TRL scores its completions without the grammar's mask: under structured outputs
+        # its importance ratio is biased, as under truncation (the native trainer replays it).
+        regex = self.structured_outputs_regex
         return SamplingParams(**{
             "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
             "min_p": self.min_p or 0.0, "repetition_penalty": self.repetition_penalty,
             "max_tokens": self.max_completion_length, "logprobs": 0,
-            **self.generation_kwargs})
+            **self.generation_kwargs,
+            **({} if regex is None else {"structured_outputs": {"regex": regex}})})
 
     def _model_folder(self) -> str:
         name = self.tandem.model or self.model.name_or_path

@@ -6,9 +6,11 @@ name (vLLM's extras ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``
 there is a request field too. Only the fields whose OpenAI shape differs are declared here:
 ``max_tokens`` (optional, the route picks the default), ``logprobs`` (a count for
 completions, a flag plus ``top_logprobs`` for chat), ``stop`` (a string or a list) and
-``stop_token_ids`` (null allowed). Chat completions take OpenAI's typed ``messages``
-(messages.py), ``tools`` and ``tool_choice`` (``auto`` and ``none``). Tandem adds ``timeout``
-to every generating body. Then Tandem's own bodies: ``/v1/rollouts`` and the
+``stop_token_ids`` (null allowed). ``structured_outputs`` is vLLM's object; OpenAI's
+``response_format`` (``json_object``, ``json_schema``) says the same in its shape. Chat
+completions take OpenAI's typed ``messages`` (messages.py), ``tools`` and ``tool_choice``
+(``required`` and a named function force the tool-call format through a structural tag).
+Tandem adds ``timeout`` to every generating body. Then Tandem's own bodies: ``/v1/rollouts`` and the
 weight-transfer endpoints (vLLM's shapes).
 """
 
@@ -18,11 +20,20 @@ import dataclasses
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictInt,
+    create_model,
+    field_validator,
+)
 
 from ..input_processor import Prompt
 from ..llm import as_prompt_list, params_per_prompt
 from ..sampling_params import SamplingParams
+from ..structured_outputs import INSTALL_HINT, StructuredOutputsParams, as_structured_outputs
 from .errors import APIError
 from .messages import ChatMessage, templated
 
@@ -41,13 +52,18 @@ OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
 
 
 def _request_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
-    """A dataclass field as pydantic's ``(type, Field)``, its help as the description."""
-    description = field.metadata.get("help")
+    """A dataclass field as pydantic's ``(type, Field)``, its help as the description.
+
+    ``structured_outputs`` takes its JSON object (strict mode would want an instance).
+    """
+    kwargs = {"description": field.metadata.get("help")}
+    if field.name == "structured_outputs":
+        hint = Annotated[hint, BeforeValidator(as_structured_outputs)]
     if field.default_factory is not dataclasses.MISSING:
-        return hint, Field(default_factory=field.default_factory, description=description)
+        return hint, Field(default_factory=field.default_factory, **kwargs)
     if field.default is not dataclasses.MISSING:
-        return hint, Field(default=field.default, description=description)
-    return hint, Field(description=description)
+        return hint, Field(default=field.default, **kwargs)
+    return hint, Field(**kwargs)
 
 
 def _sampling_fields() -> dict[str, tuple[Any, Any]]:
@@ -62,6 +78,39 @@ def _sampling_fields() -> dict[str, tuple[Any, Any]]:
 _SamplingFields = create_model("SamplingFields",
                                __config__=ConfigDict(extra="ignore", strict=True),
                                **_sampling_fields())
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema (``name`` and ``strict`` are OpenAI's
+    labels; the schema is always enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema`` (the given schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The same constraint as ``StructuredOutputsParams`` (None for ``text``).
+
+        Raises:
+            APIError: for ``json_schema`` without its ``json_schema`` object.
+        """
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.json_schema is None:
+            raise APIError(400, "response_format type json_schema needs its json_schema "
+                           "object ({name, schema}).", param="response_format")
+        return StructuredOutputsParams(json=self.json_schema.schema_)
 
 
 class StreamOptions(BaseModel):
@@ -81,6 +130,7 @@ class SamplingRequest(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    response_format: ResponseFormat | None = None
     timeout: float | None = TIMEOUT
 
     @field_validator("stop", "stop_token_ids")
@@ -90,11 +140,29 @@ class SamplingRequest(_SamplingFields):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The ``SamplingParams`` of this request with the route's ``max_tokens`` and
-        ``logprobs`` (validated: ValueError names the field)."""
+        ``logprobs`` (validated: ValueError names the field).
+
+        Raises:
+            APIError: for two constraints at once (see ``constraint``).
+        """
         fields = {field.name: getattr(self, field.name)
                   for field in dataclasses.fields(SamplingParams)
                   if field.name not in ROUTE_CHOSEN}
+        fields["structured_outputs"] = self.constraint()
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """What the completions must match: ``structured_outputs`` or ``response_format``.
+
+        Raises:
+            APIError: when both constrain.
+        """
+        given = [c for c in (self.structured_outputs, self.response_format
+                             and self.response_format.structured_outputs()) if c is not None]
+        if len(given) > 1:
+            raise APIError(400, "structured_outputs and response_format both constrain the "
+                           "output: give one.", param="response_format")
+        return given[0] if given else None
 
     @property
     def include_usage(self) -> bool:
@@ -172,6 +240,37 @@ class ChatCompletionRequest(SamplingRequest):
         """
         return [templated(message) for message in self.messages]
 
+    def constraint(self) -> StructuredOutputsParams | None:
+        """As ``SamplingRequest.constraint``; a ``required`` or named ``tool_choice`` forces
+        the tool-call format (``tool_calls.py``'s) with an xgrammar structural tag.
+
+        Raises:
+            APIError: for a forced tool call with another constraint, or without xgrammar.
+        """
+        constraint = super().constraint()
+        if self.tool_choice in (None, "auto", "none"):
+            return constraint
+        if constraint is not None:
+            raise APIError(400, f"tool_choice {self.tool_choice!r} already constrains the "
+                           "output: leave out structured_outputs and response_format.",
+                           param="tool_choice")
+        return StructuredOutputsParams(structural_tag=self._tool_call_tag())
+
+    def _tool_call_tag(self) -> str:
+        try:
+            import xgrammar
+        except ImportError as exc:
+            raise APIError(400, f"a forced tool_choice needs xgrammar: {INSTALL_HINT}.",
+                           param="tool_choice") from exc
+        choice = self.tool_choice
+        named = isinstance(choice, ChatCompletionNamedToolChoiceParam)
+        # Qwen 3's format with reasoning off is the Hermes block tool_calls.py parses.
+        tag = xgrammar.get_builtin_structural_tag(
+            "qwen_3", tools=[tool.model_dump(exclude_unset=True) for tool in self.tools],
+            tool_choice=choice.model_dump() if named else choice, reasoning="disabled",
+            parallel_tool_calls=not named)
+        return tag.model_dump_json()
+
     @property
     def parses_tool_calls(self) -> bool:
         """True when the completions' tool calls are parsed: tools given, tool_choice not
@@ -182,9 +281,7 @@ class ChatCompletionRequest(SamplingRequest):
         """The tools as the chat template reads them (OpenAI's dicts), None without any.
 
         Raises:
-            APIError: for a tool_choice without tools, a named one not among them, or one
-                not supported yet (``required`` and a named function need structured
-                outputs).
+            APIError: for a tool_choice without tools, or a named one not among them.
         """
         self._check_tool_choice()
         if not self.tools:
@@ -196,16 +293,11 @@ class ChatCompletionRequest(SamplingRequest):
         if choice is not None and not self.tools:
             raise APIError(400, "tool_choice needs tools: give tools or leave tool_choice "
                            "out.", param="tool_choice")
-        if choice in (None, "auto", "none"):
-            return
-        named = isinstance(choice, ChatCompletionNamedToolChoiceParam)
-        known = [tool.function.name for tool in self.tools]
-        if named and choice.function.name not in known:
+        known = [tool.function.name for tool in self.tools or []]
+        if (isinstance(choice, ChatCompletionNamedToolChoiceParam)
+                and choice.function.name not in known):
             raise APIError(400, f"tool_choice names the function {choice.function.name!r}, "
                            f"which is not in tools ({', '.join(known)}).", param="tool_choice")
-        shown = f"naming {choice.function.name!r}" if named else repr(choice)
-        raise APIError(400, f"tool_choice {shown} is not supported yet (it comes with "
-                       "structured outputs): use 'auto' or 'none'.", param="tool_choice")
 
 
 class RolloutRequest(BaseModel):
