@@ -12,7 +12,7 @@ import torch
 import xgrammar
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-from tandem.rollout import LLM, SamplingParams, structured_outputs
+from tandem.rollout import LLM, Continuation, SamplingParams, structured_outputs
 from tandem.rollout.structured_outputs import (
     StructuredOutputsParams,
     apply_grammar_masks,
@@ -202,3 +202,17 @@ def test_a_tokenizer_xgrammar_cannot_read_is_refused_at_the_request(padded_dir, 
         sample(llm, dict(regex="a"), n=1)
     plain = llm.generate([[5, 6]], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(plain[0].outputs[0].token_ids) == 3
+
+
+def test_a_continuation_starts_its_own_matcher(llm):
+    spec = StructuredOutputsParams(choice=["red", "blue"])
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=4, structured_outputs=spec)
+    first = llm.generate([[5, 6, 7]], params, use_tqdm=False, hold_kv=True)[0]
+    assert {c.text for c in first.outputs} <= {"red", "blue"}
+    # The next turn's constraint matches its own new tokens, not the held completion's.
+    turn = SamplingParams(temperature=1.0, max_tokens=8, seed=4,
+                          structured_outputs=StructuredOutputsParams(regex="[0-9]{2}"))
+    outputs = llm.generate([Continuation(first.request_id, i, [9, 10]) for i in range(2)],
+                           turn, use_tqdm=False)
+    assert all(re.fullmatch("[0-9]{2}", o.outputs[0].text) for o in outputs)
+    assert llm.stats()["kv_blocks_used"] == 0
