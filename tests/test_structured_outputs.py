@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -216,3 +218,23 @@ def test_a_continuation_starts_its_own_matcher(llm):
                            turn, use_tqdm=False)
     assert all(re.fullmatch("[0-9]{2}", o.outputs[0].text) for o in outputs)
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+ECOSYSTEM = ("xgrammar", "prometheus_client", "datasets", "math_verify", "trl", "wandb")
+
+
+def test_the_engine_runs_without_the_ecosystem_extras(llama_dir):
+    blocked = "".join(f"sys.modules[{name!r}] = None\n" for name in ECOSYSTEM)
+    script = "import sys\n" + blocked + f"""
+import tandem.sync, tandem.kernels, tandem.trainers
+from tandem.rollout import LLM, SamplingParams
+llm = LLM({str(llama_dir)!r}, num_kv_blocks=16, max_model_len=64)
+assert len(llm.generate([[5, 6]], SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
+try:
+    llm.generate([[5, 6]], SamplingParams(structured_outputs={{"regex": "a"}}))
+except ValueError as exc:
+    assert "pip install 'tandem-rollout[structured]'" in str(exc), exc
+else:
+    raise AssertionError("a constrained request without xgrammar was not refused")
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
