@@ -1,7 +1,9 @@
 """Tiny random models saved as Hugging Face folders (nothing comes from a hub).
 
 Without a GPU the Triton kernels run in Triton's interpreter, which must be switched on
-before Triton is first imported: here, before any test module imports anything.
+before Triton is first imported: here, before any test module imports anything. The Hub's
+offline switches are read at import too, so they are set here as well: ``load_dataset``
+reads local files and the local cache only.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -103,6 +107,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
 def llama_dir(model_dir) -> Path:
     """The tiny Llama folder."""
     return model_dir("llama")
+
+
+@pytest.fixture
+def datasets_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh ``datasets`` cache folder for the test (not ``~/.cache``); ``datasets`` reads
+    its cache path at import, so the setting it read is replaced."""
+    datasets = pytest.importorskip("datasets")
+    cache = tmp_path / "datasets_cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache)
+    return cache
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,20 @@ def test_resume_latest_takes_the_newest_checkpoint_and_keep_prunes_older_ones(
     assert Trainer(replace(config, resume_from="latest")).step == 3
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         Trainer(replace(config, resume_from=str(tmp_path / "checkpoint-1")))
+
+
+@pytest.mark.usefixtures("datasets_cache")
+def test_a_step_and_an_evaluation_on_the_shipped_gsm8k_data(llama_dir, tmp_path):
+    """The dataset-backed task end to end: prompts from the recipe's file, math-verify's
+    rewards in their worker processes (a random tiny model answers nothing right)."""
+    pytest.importorskip("math_verify")
+    data = Path(__file__).parents[1] / "recipes" / "data" / "gsm8k_mini.jsonl"
+    config = make_config(llama_dir, tmp_path, 0, steps=1, task="gsm8k",
+                         task_args={"path": str(data), "eval_fraction": 0.2}, eval_size=2,
+                         rollout=RolloutConfig(prompts_per_step=2, num_generations=2,
+                                               max_tokens=8, engine={**ENGINE,
+                                                                     "max_model_len": 512}))
+    trainer = Trainer(config)
+    metrics = trainer.train_step()
+    assert {"rewards/correct", "rewards/format"} <= metrics.keys()
+    assert 0.0 <= trainer.evaluate()["accuracy"] <= 1.0

@@ -18,6 +18,9 @@ from typing import Any
 import torch
 
 RewardFn = Callable[..., Sequence[float]]
+# A completion as TRL hands it to reward functions: text, or for conversational prompts the
+# generated messages (``[{"role": "assistant", "content": ...}]``).
+Completion = str | list[dict[str, Any]]
 
 
 class RewardError(RuntimeError):
@@ -31,6 +34,14 @@ class WeightedReward:
     name: str
     fn: RewardFn
     weight: float = 1.0
+
+
+def completion_text(completion: Completion) -> str:
+    """A completion's text: itself, or the content of its last assistant message (an
+    episode's may end with a tool's answer)."""
+    if isinstance(completion, str):
+        return completion
+    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def resolve_reward(name: str, task_rewards: dict[str, RewardFn]) -> RewardFn:

@@ -1,13 +1,21 @@
 """Tasks: a prompt dataset and the reward functions that score its completions.
 
 A task yields examples (``{"prompt": str | conversation, <column>: ...}``) from a training
-stream that repeats with the seed, and a held-out set that never overlaps it.
+stream that repeats with the seed, and a held-out set that never overlaps it. Reward
+functions get every column but the prompt as keyword arguments, as in TRL.
 
 - ``arith``: small additions and subtractions generated in code; rewards ``correct`` (the
   last integer of the completion is the answer) and ``format`` (one short line ending with a
   number, as the system prompt asks).
-- ``gsm8k``: a local GSM8K-style JSON-lines file (``question``, ``answer`` ending in
-  ``#### N``); rewards ``correct`` and ``format`` (the completion ends with ``#### N``).
+- ``calculator``: products too large to do in one's head, with a ``calculator`` tool
+  (multi-turn episodes); rewards ``correct``, ``tool_success`` and ``format``.
+- ``dataset``: a ``datasets`` table (a local JSON-lines, JSON, parquet or CSV file, or a Hub
+  dataset in the local cache; prompt_dataset.py) with a ``prompt`` column; its other
+  columns go to the rewards. Rewards (math_rewards.py) ``correct`` (the final answer equals
+  the ``answer`` column as math, by math-verify), ``hash_format`` and ``boxed_format``.
+- ``gsm8k``: the ``dataset`` task on GSM8K's format (``question``, ``answer`` ending in
+  ``#### N``): the question under a system prompt asking for ``#### <number>``; rewards
+  ``correct`` and ``format`` (the completion ends with ``#### N``).
 - ``target_token``: short text prompts; reward ``target`` is the fraction of completion
   tokens equal to a given token id (trivially learnable: used by the tests).
 """
@@ -15,23 +23,20 @@ stream that repeats with the seed, and a held-out set that never overlaps it.
 from __future__ import annotations
 
 import ast
-import json
 import operator
 import random
 import re
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from .environments import Environment, ToolEnvironment
-from .rewards import RewardFn
+from .math_rewards import hash_format_reward, math_rewards
+from .prompt_dataset import DatasetSource, load_prompts
+from .rewards import Completion, RewardFn, completion_text
 
 Example = dict[str, Any]
-# A completion as TRL hands it to reward functions: text, or for conversational prompts the
-# generated messages (``[{"role": "assistant", "content": ...}]``).
-Completion = str | list[dict[str, Any]]
 INTEGER = re.compile(r"-?\d+")
 
 
@@ -61,22 +66,14 @@ def build_task(name: str, **task_args: Any) -> Task:
     Raises:
         ValueError: for an unknown task or invalid arguments.
     """
-    builders = {"arith": arith_task, "calculator": calculator_task, "gsm8k": gsm8k_task,
-                "target_token": target_token_task}
+    builders = {"arith": arith_task, "calculator": calculator_task, "dataset": dataset_task,
+                "gsm8k": gsm8k_task, "target_token": target_token_task}
     if name not in builders:
         raise ValueError(f"unknown task {name!r}: use one of {', '.join(builders)}.")
     try:
         return builders[name](**task_args)
     except TypeError as error:
         raise ValueError(f"task {name!r}: {error}.") from error
-
-
-def completion_text(completion: Completion) -> str:
-    """A completion's text: itself, or the content of its last assistant message (an
-    episode's may end with a tool's answer)."""
-    if isinstance(completion, str):
-        return completion
-    return next((m["content"] for m in reversed(completion) if m["role"] == "assistant"), "")
 
 
 def last_integer(text: str) -> int | None:
@@ -208,43 +205,61 @@ def short_answer_reward(completions: list[Completion], **_: Any) -> list[float]:
             for c in completions]
 
 
-# --- gsm8k -------------------------------------------------------------------------------
+# --- dataset, gsm8k ----------------------------------------------------------------------
 
 GSM8K_SYSTEM = ("Solve the problem step by step, then write the final answer on its own "
                 "line as '#### <number>'.")
 
 
-def gsm8k_task(path: str, eval_size: int = 128) -> Task:
-    """GSM8K-style problems from a JSON-lines file; the last ``eval_size`` are held out.
+def dataset_task(path: str | dict[str, str], eval_size: int = 128,
+                 system_prompt: str | None = None, verify_timeout: float = 5.0,
+                 **source: Any) -> Task:
+    """Prompts from a ``datasets`` table's ``prompt`` column (text, or a conversation of
+    ``{role, content}`` messages), every other column passed to the rewards.
+
+    Args:
+        path, source: where the rows come from (``DatasetSource``'s fields: ``split``,
+            ``subset``, ``eval_split`` or ``eval_fraction``, ``eval_seed``).
+        eval_size: the most held-out examples.
+        system_prompt: put before each prompt as a system message (a text prompt becomes
+            the user's message).
+        verify_timeout: seconds the ``correct`` reward may spend on one completion.
 
     Raises:
-        ValueError: when the file is missing or a line lacks ``question``/``answer``.
+        ValueError: for a missing file or column, an unknown split or bad arguments.
+        ImportError: when ``datasets`` or math-verify is not installed.
     """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise ValueError(f"gsm8k: {file} does not exist: point task_args.path at a JSON-lines "
-                         "file of {question, answer} records (GSM8K's format)")
-    records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-    if not records or any({"question", "answer"} - set(r) for r in records):
-        raise ValueError(f"gsm8k: every line of {file} needs 'question' and 'answer'")
-    examples = [{"prompt": [{"role": "system", "content": GSM8K_SYSTEM},
-                            {"role": "user", "content": r["question"]}],
-                 "answer": last_integer(r["answer"].split("####")[-1])} for r in records]
-    eval_size = min(eval_size, len(examples) // 5)
-    train, held_out = examples[:len(examples) - eval_size], examples[len(examples) - eval_size:]
 
-    def train_example(seed: int, index: int) -> Example:
-        return random.Random(seed * 1_000_003 + index).choice(train)
+    def example(row: dict[str, Any]) -> Example:
+        prompt = row["prompt"]
+        if system_prompt is not None:
+            turns = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            prompt = [{"role": "system", "content": system_prompt}, *turns]
+        return {**row, "prompt": prompt}
 
-    return Task(train_example, held_out,
-                {"correct": correct_reward, "format": hash_format_reward},
+    prompts = load_prompts(DatasetSource(path, **source), ("prompt",), example, "dataset")
+    return Task(prompts.train_example, prompts.eval_examples(eval_size),
+                math_rewards(verify_timeout), [("correct", 1.0)])
+
+
+def gsm8k_task(path: str | dict[str, str], eval_size: int = 128, verify_timeout: float = 5.0,
+               **source: Any) -> Task:
+    """``dataset_task`` on GSM8K's format: each ``question`` under a system prompt asking
+    for ``#### <number>``, its ``answer`` what follows the solution's ``####`` (all of it
+    when there is none); rewards ``correct`` and ``format`` (``hash_format``). Arguments and
+    errors as ``dataset_task``'s.
+    """
+
+    def example(row: dict[str, Any]) -> Example:
+        return {"prompt": [{"role": "system", "content": GSM8K_SYSTEM},
+                           {"role": "user", "content": row["question"]}],
+                "answer": str(row["answer"]).rpartition("####")[2].strip().replace(",", "")}
+
+    prompts = load_prompts(DatasetSource(path, **source), ("question", "answer"), example,
+                           "gsm8k")
+    rewards = {**math_rewards(verify_timeout), "format": hash_format_reward}
+    return Task(prompts.train_example, prompts.eval_examples(eval_size), rewards,
                 [("correct", 1.0), ("format", 0.2)])
-
-
-def hash_format_reward(completions: list[Completion], **_: Any) -> list[float]:
-    """1 when the completion ends with a ``#### <number>`` line, else 0."""
-    return [float(re.search(r"####\s*-?[\d,]+\.?\s*$", completion_text(c)) is not None)
-            for c in completions]
 
 
 # --- target_token ------------------------------------------------------------------------
