@@ -14,8 +14,11 @@ in ``benchmarks/matmul_floor.py``):
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` with no copy, among
 them) on the model's own leading layers when the engine loads, so each machine gets its own
-best. Layers that read the same input share one copy: one call instead of three for q/k/v,
-much of the cost at a few rows.
+best. The choice is remembered in a JSON file per machine (CPU model, threads, torch
+version, dtype and the weights' shapes), so every later engine there takes the same layout:
+timing noise must not make two runs of one job differ in their last bits. Layers that read
+the same input share one copy: one call instead of three for q/k/v, much of the cost at a
+few rows.
 
 A copy is a cache: it is rebuilt whenever any of its weights' storage or version counter
 (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it never
@@ -25,8 +28,13 @@ tensor) must not be copied: the model drops its copies then (``pack_linear_weigh
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -100,18 +108,66 @@ class PackedWeight:
         return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
-def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str | None:
+def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,
+                   remembered: Path | None = None) -> str | None:
     """The candidate layout (``candidate_layouts``) that multiplies ``groups`` (each a list
     of layers reading the same input, multiplied as one) fastest: the least sum over
     ``CALIBRATION_ROWS`` of its seconds per pass relative to the fastest candidate's at
     that row count, so no row count dominates; a layout that copies the weights must be
-    ``COPY_MARGIN`` faster than ``F.linear`` on them."""
+    ``COPY_MARGIN`` faster than ``F.linear`` on them. With ``remembered`` (a JSON file), a
+    choice made before on this machine for the same shapes is taken untimed, and a new one
+    is written there."""
+    key = _machine_key(groups, dtype)
+    choices = _read_choices(remembered)
+    if key in choices:
+        return choices[key]
+    choice = _timed_choice(groups, dtype)
+    if remembered is not None:
+        _write_choices(remembered, {**_read_choices(remembered), key: choice})
+    return choice
+
+
+def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str | None:
     candidates = candidate_layouts(dtype)
     seconds = {layout: [_pass_seconds(groups, layout, rows) for rows in CALIBRATION_ROWS]
                for layout in candidates}
     best = [min(times[i] for times in seconds.values()) for i in range(len(CALIBRATION_ROWS))]
     return min(candidates, key=lambda layout: (1.0 if layout is None else COPY_MARGIN) * sum(
         t / b for t, b in zip(seconds[layout], best, strict=True)))
+
+
+def _machine_key(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str:
+    """A digest of what the timing depends on: the CPU, threads, torch, dtype and shapes."""
+    shapes = [[list(layer.weight.shape) for layer in group] for group in groups]
+    parts = [_cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
+             str(dtype), shapes]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _read_choices(path: Path | None) -> dict[str, str | None]:
+    try:
+        return json.loads(path.read_text()) if path is not None else {}
+    except (OSError, ValueError):  # absent, or torn by a crash: time again
+        return {}
+
+
+def _write_choices(path: Path, choices: dict[str, str | None]) -> None:
+    """Write atomically (rename), so concurrent engines never read a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    staged.write_text(json.dumps(choices, indent=1))
+    staged.replace(path)
 
 
 def _pass_seconds(groups: Sequence[Sequence[nn.Linear]], layout: str | None, rows: int) -> float:

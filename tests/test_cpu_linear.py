@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,24 @@ def test_the_fastest_layout_is_the_least_time_relative_to_the_best_at_each_row_c
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
     seconds[None, 1], seconds[None, 64] = 1.02, 5.1  # 2% slower: not worth a copy
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) is None
+
+
+def test_a_layout_chosen_once_is_remembered_for_the_same_machine_and_shapes(monkeypatch,
+                                                                            tmp_path):
+    timed = []
+    monkeypatch.setattr(cpu_linear, "_timed_choice",
+                        lambda groups, dtype: timed.append(dtype) or "transposed")
+    remembered = tmp_path / "layouts.json"
+    layers = [[nn.Linear(4, 8)]]
+    for _ in range(2):
+        assert cpu_linear.fastest_layout(layers, torch.float32, remembered) == "transposed"
+    assert timed == [torch.float32]  # the second engine read the first one's choice
+    cpu_linear.fastest_layout(layers, torch.bfloat16, remembered)
+    cpu_linear.fastest_layout([[nn.Linear(4, 16)]], torch.float32, remembered)
+    assert len(timed) == 3 and len(json.loads(remembered.read_text())) == 3
+    remembered.write_text("{torn")  # a crash mid-write elsewhere: time again, then rewrite
+    assert cpu_linear.fastest_layout(layers, torch.float32, remembered) == "transposed"
+    assert len(timed) == 4 and len(json.loads(remembered.read_text())) == 1
 
 
 def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):

@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 
+from ..default_model import cache_dir
 from .rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
@@ -266,7 +267,8 @@ class LlamaForCausalLM(nn.Module):
     def fastest_linear_layout(self) -> str | None:
         """The layout ``cpu_linear.fastest_layout`` finds fastest for this model's
         projections, timed on its leading layers (as many as hold ``CALIBRATION_BYTES`` of
-        weights, at least one) as the forward pass groups them."""
+        weights, at least one) as the forward pass groups them; remembered per machine in
+        the Tandem cache folder."""
         groups, size = [], 0
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -275,7 +277,8 @@ class LlamaForCausalLM(nn.Module):
             size += sum(p.numel() * p.element_size() for p in layer.parameters())
             if size >= CALIBRATION_BYTES:
                 break
-        return cpu_linear.fastest_layout(groups, self.lm_head.weight.dtype)
+        return cpu_linear.fastest_layout(groups, self.lm_head.weight.dtype,
+                                         cache_dir() / "cpu_linear_layouts.json")
 
     def fused_projections(self) -> list[FusedProjections]:
         """Every layer's q/k/v and gate/up groups."""
