@@ -55,6 +55,11 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": (
         "never capture CUDA graphs (they are captured on CUDA with the Triton kernels "
         "otherwise).")})
+    tensor_parallel_size: int = field(default=1, metadata={"help": (
+        "ranks one model is split over (vLLM's --tensor-parallel-size): each holds its share "
+        "of the heads, the MLP, the vocabulary and the KV pool (a KV budget is per rank). "
+        "The engine starts size - 1 worker processes (on CPU each gets cores / size "
+        "threads).")})
     tune_cpu_allocator: bool = field(default=True, metadata={"help": (
         "on CPU, raise glibc malloc's mmap and trim thresholds for the whole process so that "
         "freed temporaries are reused instead of page-faulted in again every step (see "
@@ -63,7 +68,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = 8192 if self.torch_device.type == "cuda" else 4096
-        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens")
+        _positive(self, "block_size", "max_num_seqs", "max_num_batched_tokens",
+                  "tensor_parallel_size")
         _positive_or_none(self, "num_kv_blocks", "kv_cache_memory_bytes", "max_model_len")
         utilization = self.gpu_memory_utilization
         if utilization is not None and not 0.0 < utilization <= 1.0:

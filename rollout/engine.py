@@ -25,7 +25,6 @@ from .held import Continuation, HeldSequences
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt
 from .memory import size_kv_cache
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
-from .model_runner import ModelRunner
 from .models import architecture_of
 from .models.llama import LoraLinear
 from .output_processor import OutputProcessor
@@ -33,6 +32,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .tp_executor import make_runner
 
 WAKE_TAGS = ("weights", "kv_cache")
 EnginePrompt = Prompt | ProcessedPrompt | Continuation
@@ -59,10 +59,8 @@ class LLMEngine:
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         if device.type == "cpu" and config.tune_cpu_allocator:
             keep_freed_memory()
-        self.runner = ModelRunner(hf_config, model_dir, dtype, device, self.max_model_len,
-                                  config.block_size, self.eos_token_ids, config.seed,
-                                  config.attention_backend, config.enforce_eager,
-                                  config.max_num_seqs)
+        self.runner = make_runner(config, hf_config, model_dir, dtype, self.max_model_len,
+                                  self.eos_token_ids)
         kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
                                 self.runner.weight_bytes(), self.runner.graph_sizes)
         self.num_kv_blocks = kv_size.num_blocks
@@ -270,7 +268,10 @@ class LLMEngine:
         return update.commit()
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by Hugging Face name; a tied one under its first name."""
+        """Every parameter by Hugging Face name; a tied one under its first name (what
+        every update validates against: under tensor parallelism, not built yet)."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("weight updates under tensor parallelism are not built yet.")
         return dict(self.runner.model.named_parameters())
 
     def tied_parameter_names(self) -> set[str]:

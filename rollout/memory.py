@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from .block_manager import num_blocks_for
 from .config import EngineConfig
 from .models.llama import head_dim_of
+from .tensor_parallel import local_heads
 
 GRAPH_OVERHEAD_BYTES = 4 << 20
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -53,21 +54,26 @@ class KVCacheSize:
     plan: MemoryPlan | None = None
 
 
-def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
-    per_token = 2 * config.num_key_value_heads * head_dim_of(config) * dtype.itemsize
+def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype,
+                   tensor_parallel_size: int = 1) -> int:
+    """Bytes one KV block takes across all layers (K and V) on one rank (which holds its
+    share of the KV heads)."""
+    kv_heads = local_heads(config, tensor_parallel_size)[1]
+    per_token = 2 * kv_heads * head_dim_of(config) * dtype.itemsize
     return per_token * config.num_hidden_layers * block_size
 
 
 def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
                   max_model_len: int, weight_bytes: int, graph_sizes: list[int]) -> KVCacheSize:
-    """The KV pool for ``config``: set directly, 1 GiB on CPU, or what the device share leaves.
+    """The KV pool for ``config``: set directly, 1 GiB on CPU, or what the device share leaves
+    (each a budget per rank under tensor parallelism: every rank holds as many blocks).
 
     Raises:
         ValueError: when the pool cannot hold one max_model_len sequence (naming the options
             that fix it), or the device share leaves nothing for it (see ``plan_memory``).
     """
-    block_bytes = kv_block_bytes(hf_config, config.block_size, dtype)
+    block_bytes = kv_block_bytes(hf_config, config.block_size, dtype,
+                                 config.tensor_parallel_size)
     plan = None
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks

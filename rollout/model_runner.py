@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,21 @@ from .models.llama import head_dim_of
 from .outputs import SamplerOutput
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
+from .tensor_parallel import TensorParallel, local_heads
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's tensors, all a rank needs to run it: the flat token stream, its attention
+    metadata, the rows whose logits are needed (the sampling rows, then the prompt
+    positions scored for prompt log-probs) and the copy-on-write block copies
+    (``[2, copies]``: sources, destinations)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor
+    copies: torch.Tensor
 
 
 class ModelRunner:
@@ -43,12 +59,14 @@ class ModelRunner:
     def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, block_size: int,
                  eos_token_ids: set[int], seed: int, attention_backend: str = "auto",
-                 enforce_eager: bool = False, max_num_seqs: int = 256) -> None:
+                 enforce_eager: bool = False, max_num_seqs: int = 256,
+                 tp: TensorParallel | None = None) -> None:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
+        self.tp = tp or TensorParallel()
         self.ops = select_kernels(attention_backend, device)
-        self.model = build_model(hf_config, dtype, device, max_model_len, self.ops)
+        self.model = build_model(hf_config, dtype, device, max_model_len, self.ops, self.tp)
         load_weights(self.model, model_dir)
         self.model.eval()
         if device.type == "cpu" and self.ops.name == "torch":
@@ -56,7 +74,9 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
         self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
-        captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
+        # Graphs would have to capture the all-reduce: not yet under tensor parallelism.
+        captures = (device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
+                    and self.tp.size == 1)
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None
         self.graph_capture_seconds = 0.0
@@ -68,10 +88,11 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``,
-        stored head-major (``pool_layout``)."""
+        stored head-major (``pool_layout``); ``kv_heads`` this rank's."""
         config = self.model.config
         storage, order = pool_layout((2, config.num_hidden_layers, num_blocks, self.block_size,
-                                      config.num_key_value_heads, head_dim_of(config)))
+                                      local_heads(config, self.tp.size)[1],
+                                      head_dim_of(config)))
         self.kv_cache = _zeros(storage, self.dtype, self.device).permute(order)
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
@@ -139,35 +160,53 @@ class ModelRunner:
         own parameters and generator. Chunks that score prompt log-probs get them too.
         """
         self.sampler.release(batch.finished_seq_ids)
-        self._copy_blocks(batch.copies)
-        input_ids, positions, metadata, sample_rows = self._prepare(batch)
-        hidden = self._forward(input_ids, positions, metadata)
-        logits = self.model.compute_logits(hidden[sample_rows]).float()
+        step, num_sampling, scored = self._prepare(batch)
+        logits = self.run_step(step).float()
+        sampling, prompt = logits[:num_sampling], logits[num_sampling:]
         groups = batch.sampling_groups()
         if any(len(group) > 1 for group in groups):
             sizes = torch.tensor([len(group) for group in groups], device=logits.device)
-            logits = logits.repeat_interleave(sizes, dim=0)
-        output = self.sampler(logits, [seq for group in groups for seq in group])
-        output.prompt_logprobs = self._prompt_logprobs(batch, hidden, metadata.cu_seqlens_q)
+            sampling = sampling.repeat_interleave(sizes, dim=0)
+        output = self.sampler(sampling, [seq for group in groups for seq in group])
+        output.prompt_logprobs = self._prompt_logprobs(batch, prompt, scored)
         return output
 
-    def _prompt_logprobs(self, batch: ScheduledBatch, hidden: torch.Tensor,
-                         cu_seqlens_q: torch.Tensor) -> dict[int, list[dict[int, float]]]:
-        """Per batch row that scores prompt log-probs, those of the positions its chunk
-        computes that were not scored before (a recompute after preemption scores none)."""
-        scored: dict[int, list[dict[int, float]]] = {}
+    @torch.inference_mode()
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Copy blocks, run the forward pass and project ``step.logit_rows`` through the LM
+        head: their logits (on a tensor-parallel worker, None: the driver gathers them)."""
+        if step.copies.numel():
+            sources, destinations = step.copies
+            self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
+        hidden = self._forward(step.input_ids, step.positions, step.metadata)
+        return self.model.compute_logits(hidden[step.logit_rows])
+
+    def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor,
+                         scored: list[tuple[int, int, int]]) -> dict[int, list[dict[int, float]]]:
+        """Per ``(batch row, start, end)`` of ``scored``, the prompt log-probs of positions
+        ``start`` to ``end``, whose logits are the next rows of ``logits``."""
+        out: dict[int, list[dict[int, float]]] = {}
+        first = 0
+        for i, start, end in scored:
+            seq = batch.seqs[i]
+            targets = self._long(seq.token_ids[start + 1:end + 1])
+            out[i] = self.sampler.prompt_logprobs(logits[first:first + end - start], targets,
+                                                  seq.sampling_params.prompt_logprobs)
+            first += end - start
+        return out
+
+    @staticmethod
+    def _scored_positions(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
+        """``(batch row, start, end)`` of the prompt positions each chunk scores that were
+        not scored before (a recompute after preemption scores none)."""
+        scored = []
         for i, seq in enumerate(batch.seqs):
             if not seq.needs_prompt_logprobs:
                 continue
             start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
             end = min(seq.num_computed_tokens + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
-            if start >= end:
-                continue
-            first_row = int(cu_seqlens_q[i]) - seq.num_computed_tokens
-            logits = self.model.compute_logits(hidden[first_row + start:first_row + end])
-            targets = self._long(seq.token_ids[start + 1:end + 1])
-            scored[i] = self.sampler.prompt_logprobs(logits, targets,
-                                                     seq.sampling_params.prompt_logprobs)
+            if start < end:
+                scored.append((i, start, end))
         return scored
 
     def _long(self, values: list) -> torch.Tensor:
@@ -181,13 +220,10 @@ class ModelRunner:
             return graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if copies:
-            sources, destinations = (self._long(list(c)) for c in zip(*copies))
-            self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]
-
     def _prepare(self, batch: ScheduledBatch
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                 ) -> tuple[StepInputs, int, list[tuple[int, int, int]]]:
+        """The step's inputs, how many of its logit rows sample, and the prompt positions
+        it scores (see ``_scored_positions``)."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -212,8 +248,13 @@ class ModelRunner:
             num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
         if self.ops.cascade and batch.num_decodes:
             metadata.cascade = cascade_layout(batch, self.block_size, self.device)
-        return (self._long(input_ids), self._long(positions), metadata,
-                self._long(sample_rows))
+        scored = self._scored_positions(batch)
+        prompt_rows = [cu_seqlens_q[i] - batch.seqs[i].num_computed_tokens + position
+                       for i, start, end in scored for position in range(start, end)]
+        copies = self._long([list(c) for c in zip(*batch.copies)]).view(2, -1)
+        return (StepInputs(self._long(input_ids), self._long(positions), metadata,
+                           self._long(sample_rows + prompt_rows), copies),
+                len(sample_rows), scored)
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

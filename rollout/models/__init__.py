@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from tandem.kernels import KernelOps
 
+from ..tensor_parallel import TensorParallel
 from .llama import ArchitectureSpec, LlamaForCausalLM
 from .rotary import check_rope_type
 
@@ -34,15 +35,18 @@ def architecture_of(config: PretrainedConfig) -> str:
 
 
 def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                max_position: int, ops: KernelOps) -> LlamaForCausalLM:
-    """An uninitialised model of the config's architecture, on ``device`` in ``dtype``.
+                max_position: int, ops: KernelOps,
+                tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """An uninitialised model of the config's architecture, on ``device`` in ``dtype`` (this
+    rank's slice of it under tensor parallelism ``tp``).
 
     Every kernel of its forward pass runs through ``ops``. Its linear layers multiply by
     their weights as stored until ``pack_linear_weights`` (see ``ModelRunner``).
     """
     spec = ARCHITECTURES[architecture_of(config)]
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, spec, max_position, device, ops)
+        model = LlamaForCausalLM(config, spec, max_position, device, ops,
+                                 tp or TensorParallel())
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
     return model

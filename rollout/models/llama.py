@@ -3,11 +3,14 @@
 Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up projections), so
 a checkpoint loads name for name and a trainer's weights need no mapping. On CPU, when the
 engine keeps copies of the weights (``pack_linear_weights``), the projections that read the
-same input still multiply as one matrix (``FusedProjections``).
+same input still multiply as one matrix (``FusedProjections``). Under tensor parallelism
+(``tp``) each rank builds its slice of every projection, of the same names, and adds the
+row-parallel partial sums with one all-reduce each (see ``tensor_parallel.py``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,7 @@ from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 
 from ..default_model import cache_dir
+from ..tensor_parallel import TensorParallel, local_heads, shard_range
 from .rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
@@ -118,11 +122,12 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Self-attention that writes this step's K/V into the pool and reads through it."""
 
-    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps,
+                 tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(config, tp.size)
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim ** -0.5
         config_bias = bool(getattr(config, "attention_bias", False)) and spec.bias_from_config
@@ -152,25 +157,27 @@ class LlamaAttention(nn.Module):
         self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
         self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
         out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
-        return self.o_proj(out.flatten(1))
+        return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
 class LlamaMLP(nn.Module):
     """SiLU-gated feed-forward block."""
 
-    def __init__(self, config: PretrainedConfig, ops: KernelOps) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelOps, tp: TensorParallel) -> None:
         super().__init__()
         self.ops = ops
+        self.tp = tp
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu').")
-        self.gate_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = LoraLinear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = LoraLinear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, intermediate = config.hidden_size, config.intermediate_size // tp.size
+        self.gate_proj = LoraLinear(hidden, intermediate, bias=False)
+        self.up_proj = LoraLinear(hidden, intermediate, bias=False)
+        self.down_proj = LoraLinear(intermediate, hidden, bias=False)
         self.gate_up = FusedProjections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        return self.down_proj(self.ops.silu_and_mul(*self.gate_up(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(*self.gate_up(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -180,10 +187,11 @@ class LlamaDecoderLayer(nn.Module):
     the MLP output and the residual stream separately.
     """
 
-    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps) -> None:
+    def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, ops: KernelOps,
+                 tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, spec, ops)
-        self.mlp = LlamaMLP(config, ops)
+        self.self_attn = LlamaAttention(config, spec, ops, tp)
+        self.mlp = LlamaMLP(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -203,12 +211,12 @@ class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
-                 device: torch.device, ops: KernelOps) -> None:
+                 device: torch.device, ops: KernelOps, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_position, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, spec, ops) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, spec, ops, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -223,30 +231,47 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama-family causal LM; ``lm_head`` shares the embedding when the config ties them."""
+    """A Llama-family causal LM; ``lm_head`` shares the embedding when the config ties them
+    (under tensor parallelism, this rank's rows of it)."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
-                 device: torch.device, ops: KernelOps) -> None:
+                 device: torch.device, ops: KernelOps, tp: TensorParallel) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, spec, max_position, device, ops)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(config, spec, max_position, device, ops, tp)
+        self.vocab_rows = shard_range("lm_head.weight", (config.vocab_size,), config, tp) \
+            or (0, 0, config.vocab_size)
+        self.lm_head = Linear(config.hidden_size, self.vocab_rows[2] - self.vocab_rows[1],
+                              bias=False)
         self.linear_layout: str | None = None  # see pack_linear_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with ``lm_head`` when the config ties them."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if not self.config.tie_word_embeddings:
+            return
+        embedding = self.model.embed_tokens.weight
+        if self.tp.size == 1:
+            self.lm_head.weight = embedding
+        else:  # a view of this rank's rows: an update of the embedding reaches it
+            _, start, stop = self.vocab_rows
+            self.lm_head.weight = nn.Parameter(embedding.data[start:stop], requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         """Final hidden states of every token in the step."""
         return self.model(input_ids, positions, metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Vocabulary logits of the given hidden rows."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Vocabulary logits of the given hidden rows (under tensor parallelism gathered on
+        the driver; None on the other ranks)."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        rows = math.ceil(self.config.vocab_size / self.tp.size)
+        logits = F.pad(logits, (0, rows - logits.shape[-1]))
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def pack_linear_weights(self, layout: str | None) -> None:
         """Multiply every projection through a copy of its weight in ``layout`` (one of

@@ -1,0 +1,169 @@
+"""Tensor parallelism: one model over ``size`` ranks, each holding a slice of every projection.
+
+Megatron's layout, as vLLM's: q/k/v and gate/up are split by output (column-parallel: each
+rank computes its attention heads and its share of the MLP), o and down by input
+(row-parallel: each rank's partial sums are added by one all-reduce). The KV pool is split by
+KV head, so each rank stores only its heads; with fewer KV heads than ranks each head is
+replicated on ``size / num_kv_heads`` ranks. The LM head is split by vocabulary and its
+logits gathered on rank 0 (the driver), which samples. Embeddings and norms are replicated.
+
+``shard_range`` says which slice of a full (Hugging Face shaped) tensor a rank holds; the
+loader and weight updates cut full tensors with it, so names and full shapes stay Hugging
+Face's on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW = ("o_proj", "down_proj")
+
+
+@dataclass(slots=True)
+class TensorParallel:
+    """This rank's place in a tensor-parallel group (``size`` 1: no parallelism).
+
+    ``group`` is a ``ProcessGroupGloo`` (or NCCL) of the ranks of one engine, independent of
+    any default process group the process may also belong to (a trainer's).
+    """
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @property
+    def is_driver(self) -> bool:
+        """True on rank 0, which schedules and samples."""
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks, in place (itself when ``size`` is 1)."""
+        if self.size > 1:
+            self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """The full ``[rows, vocab_size]`` logits on the driver from each rank's vocabulary
+        slice ``[rows, ceil(vocab_size / size)]`` (padded); None on the other ranks."""
+        if self.size == 1:
+            return logits
+        logits = logits.contiguous()
+        outputs = [[torch.empty_like(logits) for _ in range(self.size)]] if self.is_driver \
+            else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self.group.gather(outputs, [logits], options).wait()
+        return torch.cat(outputs[0], dim=-1)[:, :vocab_size] if self.is_driver else None
+
+    def vote(self, ok: bool) -> bool:
+        """True only when every rank says ``ok`` (a commit's one vote)."""
+        if self.size == 1:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([flag], options).wait()
+        return bool(flag.item())
+
+
+def local_heads(config: PretrainedConfig, size: int) -> tuple[int, int]:
+    """``(attention heads, KV heads)`` one rank holds."""
+    return config.num_attention_heads // size, max(1, config.num_key_value_heads // size)
+
+
+def vocab_per_rank(vocab_size: int, size: int) -> int:
+    """Rows of the LM head each rank holds (the last rank's slice padded to it)."""
+    return math.ceil(vocab_size / size)
+
+
+def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+                tp: TensorParallel) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of the full tensor ``name`` (of ``shape``) that rank ``tp.rank``
+    holds, or None for a tensor every rank holds whole (embeddings, norms, a row-parallel
+    bias: only rank 0 adds it, see ``holds_bias``)."""
+    if tp.size == 1:
+        return None
+    module, kind = name.split(".")[-2:]
+    if module == "lm_head":
+        rows = vocab_per_rank(shape[0], tp.size)
+        return 0, min(shape[0], tp.rank * rows), min(shape[0], (tp.rank + 1) * rows)
+    if module in ("k_proj", "v_proj"):
+        heads = config.num_key_value_heads
+        head_dim = shape[0] // heads
+        first = tp.rank * heads // tp.size  # with fewer heads than ranks, shared by several
+        count = local_heads(config, tp.size)[1]
+        return 0, first * head_dim, (first + count) * head_dim
+    if module in COLUMN:
+        part = shape[0] // tp.size
+        return 0, tp.rank * part, (tp.rank + 1) * part
+    if module in ROW and kind == "weight":
+        part = shape[1] // tp.size
+        return 1, tp.rank * part, (tp.rank + 1) * part
+    return None
+
+
+def holds_bias(name: str, tp: TensorParallel) -> bool:
+    """False for a row-parallel bias on ranks other than 0: the all-reduce would add it
+    ``size`` times."""
+    module, kind = name.split(".")[-2:]
+    return tp.is_driver or not (module in ROW and kind == "bias")
+
+
+def local_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+                tp: TensorParallel) -> tuple[int, ...]:
+    """The shape of the part of a full tensor of ``shape`` this rank holds."""
+    spans = shard_range(name, shape, config, tp)
+    if spans is None:
+        return shape
+    dim, start, stop = spans
+    return (*shape[:dim], stop - start, *shape[dim + 1:])
+
+
+def local_slice(name: str, full: torch.Tensor, config: PretrainedConfig,
+                tp: TensorParallel) -> torch.Tensor:
+    """The part of the full tensor ``name`` this rank holds (a view; zeros for a
+    row-parallel bias off rank 0)."""
+    if not holds_bias(name, tp):
+        return torch.zeros_like(full)
+    spans = shard_range(name, tuple(full.shape), config, tp)
+    if spans is None:
+        return full
+    dim, start, stop = spans
+    return full.narrow(dim, start, stop - start)
+
+
+def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.device,
+                          attention_backend: str) -> None:
+    """Refuse a tensor-parallel size this model, machine or backend cannot run.
+
+    Raises:
+        ValueError: naming the fix: a size beyond the devices (on CPU, the cores), one that
+            does not divide the attention heads, nor the KV heads when it is smaller than
+            them (nor is divided by them when larger), or the torch kernels on CUDA.
+    """
+    if size == 1:
+        return
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {heads} "
+                         "attention heads: use a divisor of it.")
+    if (kv_heads >= size and kv_heads % size) or (kv_heads < size and size % kv_heads):
+        raise ValueError(f"tensor_parallel_size={size} and the model's {kv_heads} KV heads: "
+                         "one must divide the other (fewer KV heads than ranks are "
+                         "replicated); use a size that does.")
+    available = (torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1)
+    where = "CUDA devices" if device.type == "cuda" else "CPU cores"
+    if size > available:
+        raise ValueError(f"tensor_parallel_size={size} exceeds the {available} {where}: use at "
+                         f"most {available}.")
+    if device.type == "cuda" and attention_backend == "torch":
+        raise ValueError("tensor parallelism on CUDA runs the Triton kernels: use "
+                         "attention_backend='auto' or 'triton'.")

@@ -1,0 +1,174 @@
+"""The driver side of a tensor-parallel engine: its worker processes, and a runner that does
+every operation on them too (vLLM's multiprocess executor is the model).
+
+The driver (rank 0, the engine's own process) schedules, runs its shard and samples. It
+starts ``size - 1`` workers (``python -m tandem.rollout.tp_worker``, arguments as JSON),
+which join a gloo group of their own through a TCP store on 127.0.0.1 (independent of any
+default process group, so a trainer's torch.distributed is untouched). Each step the driver
+broadcasts the step's tensors (``tp_wire``); the workers run their shards, the all-reduces
+meet, and the LM head's vocabulary slices are gathered on the driver. A worker that dies or
+stops answering is reported within ``timeout`` as a ``TensorParallelError`` naming it; the
+workers are shut down when the runner is collected or the process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import PretrainedConfig
+
+from . import tp_wire
+from .config import EngineConfig
+from .model_runner import ModelRunner, StepInputs
+from .tensor_parallel import TensorParallel, check_tensor_parallel
+
+TIMEOUT_ENV = "TANDEM_TP_TIMEOUT"  # seconds; a step must finish within it on every rank
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel worker died or stopped answering; the engine cannot go on."""
+
+
+def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Path,
+                dtype: torch.dtype, max_model_len: int, eos_token_ids: set[int]) -> ModelRunner:
+    """The engine's runner: a ``ModelRunner``, or with ``tensor_parallel_size > 1`` a
+    ``DriverRunner`` with its workers started.
+
+    Raises:
+        ValueError: for a tensor-parallel size the model or machine cannot run.
+    """
+    size, device = config.tensor_parallel_size, config.torch_device
+    check_tensor_parallel(size, hf_config, device, config.attention_backend)
+    args = (hf_config, model_dir, dtype, device, max_model_len, config.block_size,
+            eos_token_ids, config.seed, config.attention_backend, config.enforce_eager,
+            config.max_num_seqs)
+    if size == 1:
+        return ModelRunner(*args)
+    threads = max(1, (os.cpu_count() or 1) // size)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
+            "device": str(device), "max_model_len": max_model_len,
+            "block_size": config.block_size, "attention_backend": config.attention_backend,
+            "threads": threads}
+    return DriverRunner(Workers(spec, size), *args)
+
+
+class Workers:
+    """The worker processes of one engine and the group the driver shares with them."""
+
+    def __init__(self, spec: dict[str, Any], size: int) -> None:
+        self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+        timeout = timedelta(seconds=self.timeout)
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+        self.processes = [subprocess.Popen(
+            [sys.executable, "-m", "tandem.rollout.tp_worker", json.dumps(
+                {**spec, "rank": rank, "size": size, "port": store.port,
+                 "timeout": self.timeout})]) for rank in range(1, size)]
+        self._finalizer = weakref.finalize(self, _stop, self.processes)
+        try:
+            group = dist.ProcessGroupGloo(store, 0, size, timeout)
+        except RuntimeError as exc:
+            raise self.failure(exc) from exc
+        self.tp = TensorParallel(0, size, group)
+        self.store = store
+
+    def send(self, op: str, payload: dict[str, Any]) -> None:
+        """Broadcast an operation to every worker.
+
+        Raises:
+            TensorParallelError: when a worker is gone.
+        """
+        self.check()
+        try:
+            tp_wire.send(self.tp.group, op, payload)
+        except RuntimeError as exc:
+            raise self.failure(exc) from exc
+
+    def check(self) -> None:
+        """Raise ``TensorParallelError`` if a worker has exited."""
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise TensorParallelError(
+                    f"tensor-parallel worker rank {rank} exited with code {process.returncode}"
+                    " (its error is above in the output); start a new engine.")
+
+    def failure(self, exc: Exception) -> TensorParallelError:
+        """The error to raise for a collective that failed with ``exc``."""
+        try:
+            self.check()
+        except TensorParallelError as dead:
+            return dead
+        return TensorParallelError(
+            f"a tensor-parallel worker did not answer within {self.timeout:.0f} s ({exc}); "
+            f"raise {TIMEOUT_ENV} if a step may take longer, or start a new engine.")
+
+    def close(self) -> None:
+        """Ask the workers to exit, then make sure they did."""
+        try:
+            if all(process.poll() is None for process in self.processes):
+                tp_wire.send(self.tp.group, "shutdown", {})
+        except RuntimeError:
+            pass
+        self._finalizer()
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class DriverRunner(ModelRunner):
+    """Rank 0's runner: each operation that touches the model or the KV pool is sent to the
+    workers first, then done here; a failed collective becomes a ``TensorParallelError``."""
+
+    def __init__(self, workers: Workers, *args: Any) -> None:
+        self.workers = workers
+        super().__init__(*args, tp=workers.tp)
+        weakref.finalize(self, workers.close)
+
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Broadcast the step, then run this rank's shard of it."""
+        self.workers.send("step", {name: getattr(step, name) for name in StepInputs.__slots__})
+        try:
+            return super().run_step(step)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate every rank's pool (its KV heads' share)."""
+        self.workers.send("allocate_kv_cache", {"num_blocks": num_blocks})
+        super().allocate_kv_cache(num_blocks)
+
+    def free_kv_cache(self) -> None:
+        """Free every rank's pool."""
+        self.workers.send("free_kv_cache", {})
+        super().free_kv_cache()
+
+    def offload_weights(self) -> None:
+        """Move every rank's weights to CPU memory."""
+        self.workers.send("offload_weights", {})
+        super().offload_weights()
+
+    def reload_weights(self) -> None:
+        """Move every rank's weights back to its device."""
+        self.workers.send("reload_weights", {})
+        super().reload_weights()
+
+    def close(self) -> None:
+        """Shut the workers down now (else at collection or exit)."""
+        self.workers.close()

@@ -1,0 +1,55 @@
+"""A tensor-parallel worker: ``python -m tandem.rollout.tp_worker '<JSON arguments>'``.
+
+Started by the driver (``tp_executor.Workers``) with the model folder, its rank and the
+driver's store port. It joins the engine's gloo group, loads its shard of the weights, and
+then does what each broadcast message says, until ``shutdown``. Any error ends the process
+with its traceback, which the driver reports as the worker's exit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig
+
+from . import tp_wire
+from .config import DTYPES
+from .model_runner import ModelRunner, StepInputs
+from .tensor_parallel import TensorParallel
+
+# What a message may ask of the worker's runner (and nothing else).
+RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights")
+
+
+def serve(args: dict[str, Any]) -> None:
+    """Join the group, load this rank's shard, and run the driver's messages."""
+    torch.set_num_threads(args["threads"])
+    timeout = timedelta(seconds=args["timeout"])
+    store = dist.TCPStore("127.0.0.1", args["port"], args["size"], False, timeout)
+    group = dist.ProcessGroupGloo(store, args["rank"], args["size"], timeout)
+    tp = TensorParallel(args["rank"], args["size"], group)
+    model_dir = Path(args["model_dir"])
+    device = torch.device(args["device"])
+    runner = ModelRunner(AutoConfig.from_pretrained(model_dir), model_dir,
+                         DTYPES[args["dtype"]], device, args["max_model_len"],
+                         args["block_size"], set(), 0, args["attention_backend"], True, 1, tp)
+    while True:
+        op, payload = tp_wire.receive(group, device)
+        if op == "shutdown":
+            return
+        if op == "step":
+            runner.run_step(StepInputs(**payload))
+        elif op in RUNNER_OPS:
+            getattr(runner, op)(**payload)
+        else:
+            raise ValueError(f"unknown tensor-parallel operation {op!r}")
+
+
+if __name__ == "__main__":
+    serve(json.loads(sys.argv[1]))

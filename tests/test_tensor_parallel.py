@@ -1,0 +1,103 @@
+"""Tensor parallelism on CPU with gloo (the driver and one worker process, one thread each):
+TP=2 equals TP=1 in prompt log-probs, greedy tokens and sampled log-probs, on a tiny Llama
+(GQA, 2 KV heads split) and a tiny Qwen3 with one KV head (replicated), tied embeddings and a
+vocabulary that does not split evenly; bad sizes are refused at start; a dead worker is
+reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.tp_executor import TensorParallelError
+
+from .conftest import SMALL, build_tokenizer
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]
+OPTIONS = dict(num_kv_blocks=64, max_model_len=128, seed=7)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_dir(tmp_path_factory):
+    """A tiny Qwen3 with one KV head, tied embeddings and an odd vocabulary."""
+    path = tmp_path_factory.mktemp("qwen3_one_kv")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(1)
+    config = Qwen3Config(vocab_size=len(tokenizer) + 3, head_dim=32, tie_word_embeddings=True,
+                         **{**SMALL, "num_key_value_heads": 1})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def outputs(folder, tp: int) -> tuple[list, list]:
+    llm = LLM(str(folder), tensor_parallel_size=tp, **OPTIONS)
+    scored = llm.generate(PROMPTS, SamplingParams(max_tokens=1, temperature=0,
+                                                  prompt_logprobs=8), use_tqdm=False)
+    greedy = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                          use_tqdm=False)
+    sampled = llm.generate(PROMPTS, SamplingParams(n=4, max_tokens=12, seed=3, logprobs=0,
+                                                   ignore_eos=True), use_tqdm=False)
+    assert llm.stats()["kv_blocks_used"] == 0
+    return [o.prompt_logprobs for o in scored], [
+        [c.token_ids for c in o.outputs] for o in greedy + sampled], [
+        c.logprobs for o in sampled for c in o.outputs]
+
+
+@pytest.mark.parametrize("kind", ["llama", "one_kv_head"])
+def test_tp2_equals_tp1(kind, model_dir, one_kv_head_dir):
+    folder = model_dir("llama") if kind == "llama" else one_kv_head_dir
+    scored_1, tokens_1, logprobs_1 = outputs(folder, 1)
+    scored_2, tokens_2, logprobs_2 = outputs(folder, 2)
+    assert tokens_2 == tokens_1  # greedy and seeded sampled tokens, groups (n=4) included
+    for prompt_1, prompt_2 in zip(scored_1, scored_2, strict=True):
+        for position_1, position_2 in zip(prompt_1[1:], prompt_2[1:], strict=True):
+            assert position_1.keys() == position_2.keys()
+            for token, logprob in position_1.items():
+                assert abs(position_2[token] - logprob) < 1e-4
+    for row_1, row_2 in zip(logprobs_1, logprobs_2, strict=True):
+        assert max(abs(a - b) for a, b in zip(row_1, row_2, strict=True)) < 1e-4
+
+
+def test_tp2_splits_the_kv_pool_by_head(model_dir):
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20,
+              max_model_len=128)
+    single = LLM(str(model_dir("llama")), kv_cache_memory_bytes=1 << 20, max_model_len=128)
+    # Each rank holds one of the two KV heads: twice the blocks in the same bytes per rank.
+    assert llm.engine.num_kv_blocks == 2 * single.engine.num_kv_blocks
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(tensor_parallel_size=2), "exceeds the 1 CPU cores"),
+    (dict(tensor_parallel_size=3), "does not divide the model's 4 attention heads"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size=0 is invalid"),
+])
+def test_a_size_the_machine_or_model_cannot_run_is_refused_at_start(model_dir, options, match,
+                                                                    monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(model_dir("llama")), **options, **OPTIONS)
+
+
+def test_weight_updates_under_tp_are_refused_not_half_applied(model_dir):
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        llm.update_weights([])
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+
+
+def test_a_killed_worker_is_reported_not_waited_for(model_dir):
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    worker = llm.engine.runner.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait(10)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="worker rank 1 exited"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert time.monotonic() - start < 10
