@@ -268,34 +268,26 @@ class LLMEngine:
         return update.commit()
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by Hugging Face name; a tied one under its first name (what
-        every update validates against: under tensor parallelism, not built yet)."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("weight updates under tensor parallelism are not built yet.")
-        return dict(self.runner.model.named_parameters())
+        """Every parameter by Hugging Face name, in its full shape; a tied one under its
+        first name (see ``ModelRunner.weight_parameters``)."""
+        return self.runner.weight_parameters()
 
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
-        every = {name for name, _ in self.runner.model.named_parameters(remove_duplicate=False)}
-        return every - set(self.weight_parameters())
+        return self.runner.tied_parameter_names()
 
     def commit_weights(self, staged: dict[str, torch.Tensor], version: int, alias: bool) -> None:
         """Swap staged tensors in between steps; bump the version and the prefix-cache key.
 
         A copy keeps every parameter's storage, so the decode graphs stay valid; an alias
-        that moves one to new storage recaptures them, and ends the CPU weight copies (an
-        aliased weight changes in place unseen).
+        that moves one to new storage recaptures them (see ``ModelRunner.commit_weights``).
+
+        Raises:
+            WeightUpdateError: when a tensor-parallel rank refuses its slice (no rank
+                applies the update).
         """
-        with self.lock, torch.no_grad():
-            parameters, moved = self.weight_parameters(), False
-            if alias:
-                self.runner.model.pack_linear_weights(None)
-            for name, tensor in staged.items():
-                if alias:
-                    moved |= parameters[name].data_ptr() != tensor.data_ptr()
-                    parameters[name].data = tensor
-                else:
-                    parameters[name].copy_(tensor)
+        with self.lock:
+            moved = self.runner.commit_weights(staged, alias)
             self._serve_version(version, None)
             if moved:
                 self._recapture_graphs()
@@ -311,6 +303,9 @@ class LLMEngine:
         Raises:
             ValueError: for a weight that is not a run-time-LoRA linear layer.
         """
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters under tensor parallelism are not built yet: "
+                             "merge the adapter in the trainer and send full weights.")
         modules = {f"{name}.weight": module for name, module in self.runner.model.named_modules()
                    if isinstance(module, LoraLinear)}
         unknown = sorted(set(factors) - set(modules))

@@ -19,6 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
+from tandem.sync.protocol import WeightUpdateError, check_finite
 
 from .attention_layout import cascade_layout, long_tensor, padded_tensor
 from .block_manager import num_blocks_for
@@ -29,7 +30,7 @@ from .models.llama import head_dim_of
 from .outputs import SamplerOutput
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
-from .tensor_parallel import TensorParallel, local_heads
+from .tensor_parallel import TensorParallel, local_heads, local_slice
 
 
 @dataclass(slots=True)
@@ -81,6 +82,51 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
+
+    def weight_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter by Hugging Face name (a tied one under its first name)."""
+        return dict(self.model.named_parameters())
+
+    def tied_parameter_names(self) -> set[str]:
+        """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
+        every = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        return every - set(self.weight_parameters())
+
+    @torch.no_grad()
+    def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
+        """Copy (or with ``alias`` adopt) the staged tensors into the parameters; True when
+        an adopted tensor moved a parameter to new storage. Aliasing ends the CPU weight
+        copies: an aliased weight changes in place unseen."""
+        parameters, moved = self.weight_parameters(), False
+        if alias:
+            self.model.pack_linear_weights(None)
+        for name, tensor in staged.items():
+            if alias:
+                moved |= parameters[name].data_ptr() != tensor.data_ptr()
+                parameters[name].data = tensor
+            else:
+                parameters[name].copy_(tensor)
+        return moved
+
+    @torch.no_grad()
+    def commit_slices(self, staged: dict[str, torch.Tensor]) -> list[int]:
+        """Under tensor parallelism: cut this rank's slice of each full staged tensor, check
+        it, and copy the slices in only if no rank refused its own (one vote); returns the
+        refusing ranks."""
+        parameters, config = dict(self.model.named_parameters()), self.model.config
+        try:
+            slices = {name: local_slice(name, tensor, config, self.tp).to(
+                parameters[name].device, parameters[name].dtype, copy=True)
+                for name, tensor in staged.items()}
+            for name, tensor in slices.items():
+                check_finite(name, tensor)
+        except (WeightUpdateError, RuntimeError, KeyError):
+            slices = None
+        refusing = self.tp.refusals(slices is not None)
+        if not refusing:
+            for name, tensor in slices.items():
+                parameters[name].copy_(tensor)
+        return refusing
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones counted once)."""

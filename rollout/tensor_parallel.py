@@ -63,15 +63,13 @@ class TensorParallel:
         self.group.gather(outputs, [logits], options).wait()
         return torch.cat(outputs[0], dim=-1)[:, :vocab_size] if self.is_driver else None
 
-    def vote(self, ok: bool) -> bool:
-        """True only when every rank says ``ok`` (a commit's one vote)."""
+    def refusals(self, ok: bool) -> list[int]:
+        """The ranks that did not say ``ok``, known to every rank (a commit's one vote)."""
         if self.size == 1:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
-        self.group.allreduce([flag], options).wait()
-        return bool(flag.item())
+            return [] if ok else [0]
+        flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.size)]
+        self.group.allgather([flags], [torch.tensor([0 if ok else 1], dtype=torch.int32)]).wait()
+        return [rank for rank, flag in enumerate(flags) if flag.item()]
 
 
 def local_heads(config: PretrainedConfig, size: int) -> tuple[int, int]:
@@ -115,6 +113,22 @@ def holds_bias(name: str, tp: TensorParallel) -> bool:
     ``size`` times."""
     module, kind = name.split(".")[-2:]
     return tp.is_driver or not (module in ROW and kind == "bias")
+
+
+def full_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+               tp: TensorParallel) -> tuple[int, ...]:
+    """The full (Hugging Face) shape of the tensor ``name`` of which a rank holds ``shape``."""
+    module = name.split(".")[-2]
+    if tp.size == 1 or shard_range(name, (1, 1), config, tp) is None:
+        return shape
+    if module == "lm_head":
+        return (config.vocab_size, *shape[1:])
+    if module in ("k_proj", "v_proj"):
+        head_dim = shape[0] // local_heads(config, tp.size)[1]
+        return (config.num_key_value_heads * head_dim, *shape[1:])
+    if module in COLUMN:
+        return (shape[0] * tp.size, *shape[1:])
+    return (shape[0], shape[1] * tp.size)
 
 
 def local_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,

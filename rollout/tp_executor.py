@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from tandem.sync.protocol import WeightUpdateError
+
 from . import tp_wire
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepInputs
-from .tensor_parallel import TensorParallel, check_tensor_parallel
+from .tensor_parallel import TensorParallel, check_tensor_parallel, full_shape
 
 TIMEOUT_ENV = "TANDEM_TP_TIMEOUT"  # seconds; a step must finish within it on every rank
 DEFAULT_TIMEOUT_S = 300.0
@@ -148,6 +150,39 @@ class DriverRunner(ModelRunner):
             return super().run_step(step)
         except RuntimeError as exc:
             raise self.workers.failure(exc) from exc
+
+    def weight_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter in its full (Hugging Face) shape, dtype and device, as a stand-in
+        that takes no memory (a scalar expanded): updates are checked against it, then each
+        rank cuts its slice (``commit_weights``)."""
+        tied, config = self.tied_parameter_names(), self.model.config
+        return {name: torch.empty((), dtype=p.dtype, device=p.device).expand(
+            full_shape(name, tuple(p.shape), config, self.tp))
+            for name, p in self.model.named_parameters() if name not in tied}
+
+    def tied_parameter_names(self) -> set[str]:
+        """A tied ``lm_head.weight`` (each rank's LM head is a view of its embedding rows)."""
+        return {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+
+    def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
+        """Send the full tensors to every worker; each rank cuts, checks and votes, and all
+        apply or none do.
+
+        Raises:
+            WeightUpdateError: for ``alias``, or when a rank refused its slices.
+        """
+        if alias:
+            raise WeightUpdateError("alias updates cannot be sliced per rank: update by copy "
+                                    "under tensor parallelism.")
+        self.workers.send("commit_slices", {"staged": staged})
+        try:
+            refusing = self.commit_slices(staged)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
+        if refusing:
+            raise WeightUpdateError(f"tensor-parallel rank(s) {refusing} refused their slices "
+                                    "(non-finite values); no rank applied the update.")
+        return False
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's pool (its KV heads' share)."""

@@ -24,7 +24,8 @@ from .model_runner import ModelRunner, StepInputs
 from .tensor_parallel import TensorParallel
 
 # What a message may ask of the worker's runner (and nothing else).
-RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights")
+RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights",
+              "commit_slices")
 
 
 def serve(args: dict[str, Any]) -> None:

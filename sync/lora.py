@@ -214,6 +214,9 @@ class LoraSync:
         if missing:
             raise TypeError(f"LoraSync needs an LLM or an engine with {', '.join(missing)} "
                             f"(see LoraTarget); {type(engine).__name__} lacks them.")
+        if getattr(getattr(engine, "config", None), "tensor_parallel_size", 1) > 1:
+            raise ValueError("LoraSync under tensor parallelism is not built yet: merge the "
+                             "adapter in the trainer and send full weights.")
         self.engine = engine
         self.base_device = base_device
         self.mode = mode

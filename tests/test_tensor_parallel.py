@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.tp_executor import TensorParallelError
+from tandem.sync import LoraSync, WeightUpdateError
 
 from .conftest import SMALL, build_tokenizer
+from .test_weight_update import trainer_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]
 OPTIONS = dict(num_kv_blocks=64, max_model_len=128, seed=7)
@@ -85,11 +87,40 @@ def test_a_size_the_machine_or_model_cannot_run_is_refused_at_start(model_dir, o
         LLM(str(model_dir("llama")), **options, **OPTIONS)
 
 
-def test_weight_updates_under_tp_are_refused_not_half_applied(model_dir):
+def greedy(llm: LLM) -> list[list[int]]:
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("kind", ["llama", "one_kv_head"])
+def test_a_full_update_under_tp_equals_a_fresh_tp_engine(kind, model_dir, one_kv_head_dir,
+                                                         tmp_path):
+    folder = model_dir("llama") if kind == "llama" else one_kv_head_dir
+    llm = LLM(str(folder), tensor_parallel_size=2, **OPTIONS)
+    before = greedy(llm)
+    trainer = trainer_model(folder, seed=3)
+    assert llm.update_weights(trainer.state_dict().items()) == 1
+    after = greedy(llm)
+    assert after != before
+    trainer.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    assert after == greedy(LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS))
+
+
+def test_a_slice_one_rank_refuses_is_applied_on_no_rank(model_dir):
     llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    before = greedy(llm)
+    weight = llm.engine.runner.model.model.layers[0].mlp.gate_proj.weight
+    full = torch.randn(weight.shape[0] * 2, weight.shape[1])
+    full[-1, 0] = float("nan")  # in rank 1's rows only: rank 0's slice is fine
+    name = "model.layers.0.mlp.gate_proj.weight"
+    with pytest.raises(WeightUpdateError, match=r"rank\(s\) \[1\] refused"):
+        llm.engine.commit_weights({name: full}, 1, alias=False)
+    assert greedy(llm) == before and llm.weight_version == 0
+    with pytest.raises(WeightUpdateError, match="NaN"):  # the usual path refuses it at load
+        llm.update_weights([(name, full)], full=False)
     with pytest.raises(ValueError, match="tensor parallelism"):
-        llm.update_weights([])
-    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)) == 1
+        LoraSync(llm)
 
 
 def test_a_killed_worker_is_reported_not_waited_for(model_dir):
