@@ -4,13 +4,15 @@ A message is an operation name and a payload of JSON values, tensors and the dat
 a step's attention metadata. ``send`` (the driver) broadcasts a JSON header describing it
 (tensors and dataclasses replaced by typed placeholders), then each tensor; ``receive`` (a
 worker) rebuilds the payload from them. Only the dataclasses in ``DATACLASSES`` travel, so a
-message can name no other code.
+message can name no other code. A worker waits for a message without a time limit
+(``IDLE_TIMEOUT``); once one has begun, every part of it is bounded by the group's timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,6 +20,10 @@ import torch.distributed as dist
 
 from tandem.kernels.attention import AttentionMetadata, BlockRuns, CascadeLayout
 
+# A worker waits this long for the next message (an engine may idle for hours between
+# requests); everything after the header's length is bounded by the group's own timeout. A
+# driver that dies closes its connections, which ends the wait at once.
+IDLE_TIMEOUT = timedelta(days=30)
 DATACLASSES = {cls.__name__: cls for cls in (AttentionMetadata, BlockRuns, CascadeLayout)}
 DTYPES = {str(dtype): dtype for dtype in (torch.int32, torch.int64, torch.float32,
                                           torch.bfloat16, torch.float16, torch.uint8,
@@ -37,16 +43,18 @@ def send(group: Any, op: str, payload: dict[str, Any]) -> None:
 def receive(group: Any, device: torch.device) -> tuple[str, dict[str, Any]]:
     """The next message broadcast by rank 0 of ``group``, its tensors on ``device``."""
     length = torch.empty(1, dtype=torch.int64)
-    _broadcast(group, length)
+    _broadcast(group, length, IDLE_TIMEOUT)
     raw = torch.empty(int(length.item()), dtype=torch.uint8)
     _broadcast(group, raw)
     message = json.loads(raw.numpy().tobytes())
     return message["op"], _decode(message["payload"], group, device)
 
 
-def _broadcast(group: Any, tensor: torch.Tensor) -> None:
+def _broadcast(group: Any, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
     options = dist.BroadcastOptions()
     options.rootRank = 0
+    if timeout is not None:
+        options.timeout = timeout
     group.broadcast([tensor], options).wait()
 
 

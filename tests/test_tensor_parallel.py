@@ -17,8 +17,12 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.tp_executor import TensorParallelError
 from tandem.sync import LoraSync, WeightUpdateError
+from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
+from tandem.trainers.tasks import Task
+from tandem.trainers.trainer import Trainer
 
 from .conftest import SMALL, build_tokenizer
+from .test_server import MODEL, openai_client, running_server
 from .test_weight_update import trainer_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60))]
@@ -132,3 +136,58 @@ def test_a_killed_worker_is_reported_not_waited_for(model_dir):
     with pytest.raises(TensorParallelError, match="worker rank 1 exited"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert time.monotonic() - start < 10
+
+
+def test_sleep_and_wake_act_on_every_rank(model_dir):
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    before = greedy(llm)
+    llm.sleep(2)  # frees every rank's pool and moves the weights to CPU (already there)
+    llm.wake_up()
+    assert greedy(llm) == before and llm.engine.runner.kv_cache_bytes() > 0
+
+
+def test_a_hung_worker_is_reported_within_the_timeout(model_dir, monkeypatch):
+    monkeypatch.setenv("TANDEM_TP_TIMEOUT", "3")
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    worker = llm.engine.runner.workers.processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="did not answer within 3 s"):
+            llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_sync_alias_with_tp_is_refused_at_start():
+    with pytest.raises(ValueError, match="sync_alias with rollout.engine.tensor_parallel_size"):
+        TrainConfig(model="x", sync_alias=True,
+                    rollout=RolloutConfig(engine={"tensor_parallel_size": 2}))
+
+
+def test_tandem_serve_with_tp_answers_the_openai_client(model_dir):
+    with running_server(model_dir("llama"), dict(tensor_parallel_size=2, **OPTIONS)) as (url, _):
+        client = openai_client(url)
+        completion = client.completions.create(model=MODEL, prompt="What is 2+3?",
+                                               max_tokens=5, temperature=0)
+        assert completion.choices[0].finish_reason in ("length", "stop")
+        offline = LLM(str(model_dir("llama")), **OPTIONS).generate(
+            ["What is 2+3?"], SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+        assert completion.choices[0].text == offline[0].outputs[0].text
+
+
+def test_the_native_trainer_runs_a_tp_engine(model_dir, tmp_path):
+    task = Task(lambda seed, index: {"prompt": f"Count {index}: one two"}, [],
+                {"length": lambda completion_ids, **_: [float(len(i)) for i in completion_ids]},
+                [("length", 1.0)])
+    config = TrainConfig(
+        model=str(model_dir("llama")), steps=2, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=2, num_generations=4, max_tokens=8,
+                              engine={"num_kv_blocks": 64, "tensor_parallel_size": 2}),
+        optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
+    trainer = Trainer(config, task=task)
+    for step in (1, 2):
+        metrics = trainer.train_step()
+        # The second step samples from the weights the first pushed to both ranks.
+        assert metrics["weight_version"] == step and metrics["sampler_logprob_diff_max"] < 1e-4

@@ -257,6 +257,10 @@ class TrainConfig:
                 IMPORTANCE_SAMPLING_MODES)
         check_importance_sampling(self.importance_sampling)
         _check_partial(self.rollout.partial, self.sync_alias)
+        if self.sync_alias and self.rollout.engine.get("tensor_parallel_size", 1) > 1:
+            raise ValueError("sync_alias with rollout.engine.tensor_parallel_size > 1: each rank "
+                             "holds a slice, which cannot alias the trainer's full tensors; "
+                             "turn sync_alias off.")
         _one_of("rollout.dynamic_sampling.zero_spread", self.rollout.dynamic_sampling.zero_spread,
                 ("drop", "keep"))
         for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
