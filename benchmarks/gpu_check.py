@@ -279,6 +279,26 @@ def check_engine_tokens(rec: Recorder, folder: Path, device: torch.device,
                    equal_sequences=f"{same}/{len(prompts)}")
 
 
+def check_tensor_parallel(rec: Recorder, folder: Path, device: torch.device,
+                          smoke: bool) -> None:
+    """Greedy tokens of TP=2 against TP=1 (needs two GPUs; with --smoke, gloo on CPU)."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        rec.record("tensor_parallel", "skipped",
+                   reason=f"TP=2 needs two GPUs; {torch.cuda.device_count()} present")
+        return
+    prompts = [[5, 6, 7, 8], list(range(20, 60))]
+    params = SamplingParams(temperature=0, max_tokens=3 if smoke else 32, ignore_eos=True)
+    tokens = {}
+    for size in (1, 2):
+        llm = make_llm(folder, device, smoke, tensor_parallel_size=size)
+        tokens[size] = [o.outputs[0].token_ids for o in
+                        llm.generate(prompts, params, use_tqdm=False)]
+        release(llm)
+    same = sum(a == b for a, b in zip(tokens[2], tokens[1]))
+    rec.record("tensor_parallel", "greedy tokens, TP=2 = TP=1",
+               equal_sequences=f"{same}/{len(prompts)}")
+
+
 def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
     """Decode tokens/s of ``batch`` sequences (128-token prompts), after their prefill."""
     engine = llm.engine
@@ -468,6 +488,8 @@ def main() -> None:
     run_section(rec, "decode", 50, lambda: check_decode(rec, folder, device, args.smoke))
     run_section(rec, "nano_bench", 60,
                 lambda: check_nano_bench(rec, folder, hf_model, device, args.smoke))
+    run_section(rec, "tensor_parallel", 30,
+                lambda: check_tensor_parallel(rec, folder, device, args.smoke))
     print_table(args.out)
 
 

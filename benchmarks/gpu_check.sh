@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-call GPU check (see benchmarks/gpu_check.py): kernel errors, decode attention
-# bandwidth, eager against CUDA graphs, nano-bench against transformers' generate.
+# bandwidth, eager against CUDA graphs, nano-bench against transformers' generate, and TP=2
+# against TP=1 when two GPUs are present (recorded as skipped otherwise).
 # Usage: benchmarks/gpu_check.sh OUT_DIR [--smoke]   (at most 5 minutes on one GPU;
 # --smoke runs toy sizes on a CPU to check the script itself)
 set -u

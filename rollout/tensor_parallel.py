@@ -181,3 +181,6 @@ def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.dev
     if device.type == "cuda" and attention_backend == "torch":
         raise ValueError("tensor parallelism on CUDA runs the Triton kernels: use "
                          "attention_backend='auto' or 'triton'.")
+    if device.type == "cuda":
+        raise ValueError("tensor parallelism on CUDA (NCCL, one device per rank, graphs with "
+                         "the all-reduce) is not built yet: it runs on CPU (gloo).")
