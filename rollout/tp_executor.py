@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -78,12 +79,24 @@ class Workers:
                 {**spec, "rank": rank, "size": size, "port": store.port,
                  "timeout": self.timeout})]) for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop, self.processes)
+        self._wait_joined(store, size)
         try:
             group = dist.ProcessGroupGloo(store, 0, size, timeout)
         except RuntimeError as exc:
             raise self.failure(exc) from exc
         self.tp = TensorParallel(0, size, group)
         self.store = store
+
+    def _wait_joined(self, store: dist.TCPStore, size: int) -> None:
+        """Wait until every worker reached the store, reporting one that exits first (the
+        group's own wait would only end at the timeout)."""
+        keys = [f"joined/{rank}" for rank in range(1, size)]
+        deadline = time.monotonic() + self.timeout
+        while not store.check(keys):
+            self.check()
+            if time.monotonic() > deadline:
+                raise self.failure(TimeoutError("the workers did not start"))
+            time.sleep(0.05)
 
     def send(self, op: str, payload: dict[str, Any]) -> None:
         """Broadcast an operation to every worker.

@@ -33,6 +33,7 @@ def serve(args: dict[str, Any]) -> None:
     torch.set_num_threads(args["threads"])
     timeout = timedelta(seconds=args["timeout"])
     store = dist.TCPStore("127.0.0.1", args["port"], args["size"], False, timeout)
+    store.set(f"joined/{args['rank']}", "1")
     group = dist.ProcessGroupGloo(store, args["rank"], args["size"], timeout)
     tp = TensorParallel(args["rank"], args["size"], group)
     model_dir = Path(args["model_dir"])

@@ -191,3 +191,11 @@ def test_the_native_trainer_runs_a_tp_engine(model_dir, tmp_path):
         metrics = trainer.train_step()
         # The second step samples from the weights the first pushed to both ranks.
         assert metrics["weight_version"] == step and metrics["sampler_logprob_diff_max"] < 1e-4
+
+
+def test_a_worker_that_fails_to_start_is_reported_at_once(model_dir, monkeypatch):
+    monkeypatch.setattr("sys.executable", "/bin/false")  # a worker that exits at once
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="worker rank 1 exited with code 1"):
+        LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
+    assert time.monotonic() - start < 10
