@@ -26,7 +26,6 @@ from .input_processor import InputProcessor, ProcessedPrompt, Prompt
 from .memory import size_kv_cache
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .models import architecture_of
-from .models.llama import LoraLinear
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -296,25 +295,19 @@ class LLMEngine:
                     version: int, lora_id: int) -> None:
         """Serve a run-time LoRA adapter from the next step on (replacing any earlier one).
 
-        ``factors`` maps a weight name (``...q_proj.weight``) to ``(A, B, scale)``; modules
-        left out serve their plain weights. The prefix-cache key takes the new version and
-        ``lora_id``.
+        ``factors`` maps a weight name (``...q_proj.weight``) to ``(A, B, scale)`` (full
+        factors; under tensor parallelism each rank takes its slice); modules left out serve
+        their plain weights. The prefix-cache key takes the new version and ``lora_id``.
 
         Raises:
             ValueError: for a weight that is not a run-time-LoRA linear layer.
         """
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters under tensor parallelism are not built yet: "
-                             "merge the adapter in the trainer and send full weights.")
-        modules = {f"{name}.weight": module for name, module in self.runner.model.named_modules()
-                   if isinstance(module, LoraLinear)}
-        unknown = sorted(set(factors) - set(modules))
+        unknown = sorted(set(factors) - set(self.runner.lora_layers()))
         if unknown:
             raise ValueError(f"no run-time LoRA layer for {unknown[:3]}; adapters apply to the "
                              "q/k/v/o and gate/up/down projections.")
         with self.lock:
-            for name, module in modules.items():
-                module.set_lora(factors.get(name))
+            self.runner.set_lora(factors)
             self._serve_version(version, lora_id)
             self._recapture_graphs()  # the graphs were captured with or without adapters
 

@@ -26,11 +26,11 @@ from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_batch_sizes
 from .loader import load_weights
 from .models import build_model
-from .models.llama import head_dim_of
+from .models.llama import LoraLinear, head_dim_of
 from .outputs import SamplerOutput
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
-from .tensor_parallel import TensorParallel, local_heads, local_slice
+from .tensor_parallel import TensorParallel, local_heads, local_slice, lora_slice
 
 
 @dataclass(slots=True)
@@ -127,6 +127,19 @@ class ModelRunner:
             for name, tensor in slices.items():
                 parameters[name].copy_(tensor)
         return refusing
+
+    def lora_layers(self) -> dict[str, LoraLinear]:
+        """The layers that can add a run-time LoRA adapter, by weight name."""
+        return {f"{name}.weight": module for name, module in self.model.named_modules()
+                if isinstance(module, LoraLinear)}
+
+    def set_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Serve run-time adapter factors (full ``A [r, in]``, ``B [out, r]``, scale) by
+        weight name, each layer its rank's slice of them; layers left out serve none."""
+        for name, module in self.lora_layers().items():
+            given = factors.get(name)
+            module.set_lora(None if given is None
+                            else lora_slice(name, *given, self.model.config, self.tp))
 
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones counted once)."""

@@ -154,6 +154,21 @@ def local_slice(name: str, full: torch.Tensor, config: PretrainedConfig,
     return full.narrow(dim, start, stop - start)
 
 
+def lora_slice(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+               config: PretrainedConfig, tp: TensorParallel
+               ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The part of a run-time adapter ``(A [r, in], B [out, r], scale)`` of weight ``name``
+    this rank applies: B's rows of a column-parallel layer's outputs, A's columns of a
+    row-parallel layer's inputs (the all-reduce then sums the adapter's partial terms)."""
+    spans = shard_range(name, (lora_b.shape[0], lora_a.shape[1]), config, tp)
+    if spans is None:
+        return lora_a, lora_b, scale
+    dim, start, stop = spans
+    if dim == 0:
+        return lora_a, lora_b[start:stop], scale
+    return lora_a[:, start:stop], lora_b, scale
+
+
 def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.device,
                           attention_backend: str) -> None:
     """Refuse a tensor-parallel size this model, machine or backend cannot run.

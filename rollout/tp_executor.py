@@ -197,6 +197,12 @@ class DriverRunner(ModelRunner):
                                     "(non-finite values); no rank applied the update.")
         return False
 
+    def set_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Send the full adapter factors to every worker; each rank applies its slice."""
+        self.workers.send("set_lora", {"factors": {name: list(given)
+                                                   for name, given in factors.items()}})
+        super().set_lora(factors)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's pool (its KV heads' share)."""
         self.workers.send("allocate_kv_cache", {"num_blocks": num_blocks})

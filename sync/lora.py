@@ -214,9 +214,11 @@ class LoraSync:
         if missing:
             raise TypeError(f"LoraSync needs an LLM or an engine with {', '.join(missing)} "
                             f"(see LoraTarget); {type(engine).__name__} lacks them.")
-        if getattr(getattr(engine, "config", None), "tensor_parallel_size", 1) > 1:
-            raise ValueError("LoraSync under tensor parallelism is not built yet: merge the "
-                             "adapter in the trainer and send full weights.")
+        if mode == "merge" and getattr(getattr(engine, "config", None),
+                                       "tensor_parallel_size", 1) > 1:
+            raise ValueError("LoraSync's merge mode under tensor parallelism is not built yet "
+                             "(it keeps full base weights): use mode='runtime', or merge in "
+                             "the trainer and send full weights.")
         self.engine = engine
         self.base_device = base_device
         self.mode = mode

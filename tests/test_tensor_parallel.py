@@ -16,12 +16,13 @@ from transformers import AutoModelForCausalLM, Qwen3Config
 
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.tp_executor import TensorParallelError
-from tandem.sync import LoraSync, WeightUpdateError
+from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
 from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
 from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
 from .conftest import SMALL, build_tokenizer
+from .test_lora import hf_model, lora_model
 from .test_server import MODEL, openai_client, running_server
 from .test_weight_update import trainer_model
 
@@ -123,8 +124,30 @@ def test_a_slice_one_rank_refuses_is_applied_on_no_rank(model_dir):
     assert greedy(llm) == before and llm.weight_version == 0
     with pytest.raises(WeightUpdateError, match="NaN"):  # the usual path refuses it at load
         llm.update_weights([(name, full)], full=False)
-    with pytest.raises(ValueError, match="tensor parallelism"):
+    with pytest.raises(ValueError, match="merge mode under tensor parallelism"):
         LoraSync(llm)
+
+
+@pytest.mark.parametrize("kind", ["llama", "one_kv_head"])
+def test_a_runtime_lora_adapter_under_tp_equals_tp1(kind, model_dir, one_kv_head_dir):
+    folder = model_dir("llama") if kind == "llama" else one_kv_head_dir
+    tensors, spec = peft_adapter_state(lora_model(hf_model(folder), seed=3))
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(folder), tensor_parallel_size=size, **OPTIONS)
+        before = greedy(llm)
+        sync = LoraSync(llm, mode="runtime")
+        assert sync.update(tensors, spec) == 1
+        results[size] = (before, greedy(llm), llm.generate(
+            PROMPTS, SamplingParams(max_tokens=8, logprobs=0, seed=5), use_tqdm=False))
+        sync.update({}, spec)  # removing the adapter serves the base weights again
+        assert greedy(llm) == before
+    (before_1, adapted_1, sampled_1), (before_2, adapted_2, sampled_2) = results[1], results[2]
+    assert before_2 == before_1 and adapted_2 == adapted_1 != before_1
+    for one, two in zip(sampled_1, sampled_2, strict=True):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert max(abs(a - b) for a, b in zip(one.outputs[0].logprobs,
+                                              two.outputs[0].logprobs)) < 1e-4
 
 
 def test_a_killed_worker_is_reported_not_waited_for(model_dir):
