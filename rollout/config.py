@@ -60,6 +60,11 @@ class EngineConfig:
         "of the heads, the MLP, the vocabulary and the KV pool (a KV budget is per rank). "
         "The engine starts size - 1 worker processes (on CPU each gets cores / size "
         "threads).")})
+    distributed_executor_backend: str = field(default="mp", metadata={"help": (
+        "with tensor_parallel_size > 1: \"mp\" starts worker processes; "
+        "\"external_launcher\" (vLLM's name, as verl runs it) makes each process of an "
+        "initialised torch.distributed world (torchrun) one rank of an engine, consecutive "
+        "ranks forming each engine, every rank running the same requests in step.")})
     tune_cpu_allocator: bool = field(default=True, metadata={"help": (
         "on CPU, raise glibc malloc's mmap and trim thresholds for the whole process so that "
         "freed temporaries are reused instead of page-faulted in again every step (see "
@@ -79,6 +84,9 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
                              f"{', '.join(DTYPES)}.")
         check_backend(self.attention_backend)
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}"
+                             " is invalid: use 'mp' or 'external_launcher'.")
 
     @property
     def torch_device(self) -> torch.device:

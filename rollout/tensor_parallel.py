@@ -31,13 +31,15 @@ ROW = ("o_proj", "down_proj")
 class TensorParallel:
     """This rank's place in a tensor-parallel group (``size`` 1: no parallelism).
 
-    ``group`` is a ``ProcessGroupGloo`` (or NCCL) of the ranks of one engine, independent of
-    any default process group the process may also belong to (a trainer's).
+    ``group`` is a ``ProcessGroupGloo`` of the ranks of one engine: its own, independent of
+    any default process group the process belongs to (a trainer's), or with ``spmd`` a
+    subgroup of that world, in which every rank runs the whole engine in step.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    spmd: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -52,10 +54,15 @@ class TensorParallel:
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """The full ``[rows, vocab_size]`` logits on the driver from each rank's vocabulary
-        slice ``[rows, ceil(vocab_size / size)]`` (padded); None on the other ranks."""
+        slice ``[rows, ceil(vocab_size / size)]`` (padded); None on the other ranks, but
+        with ``spmd`` on every rank (each samples the same tokens)."""
         if self.size == 1:
             return logits
         logits = logits.contiguous()
+        if self.spmd:
+            outputs = [torch.empty_like(logits) for _ in range(self.size)]
+            self.group.allgather([outputs], [logits]).wait()
+            return torch.cat(outputs, dim=-1)[:, :vocab_size]
         outputs = [[torch.empty_like(logits) for _ in range(self.size)]] if self.is_driver \
             else []
         options = dist.GatherOptions()
@@ -70,6 +77,26 @@ class TensorParallel:
         flags = [torch.zeros(1, dtype=torch.int32) for _ in range(self.size)]
         self.group.allgather([flags], [torch.tensor([0 if ok else 1], dtype=torch.int32)]).wait()
         return [rank for rank, flag in enumerate(flags) if flag.item()]
+
+
+def spmd_group(size: int) -> TensorParallel:
+    """This process's rank of an engine over ``size`` consecutive ranks of the initialised
+    torch.distributed world (a gloo subgroup each; every rank must call it, in step).
+
+    Raises:
+        ValueError: without a world, or when ``size`` does not divide it.
+    """
+    if not dist.is_initialized():
+        raise ValueError("distributed_executor_backend='external_launcher' runs in an "
+                         "initialised torch.distributed world (torchrun): start one, or use "
+                         "'mp'.")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the world of {world} "
+                         "ranks: use a divisor of it.")
+    groups = [dist.new_group(list(range(first, first + size)), backend="gloo")
+              for first in range(0, world, size)]
+    return TensorParallel(rank % size, size, groups[rank // size], spmd=True)
 
 
 def local_heads(config: PretrainedConfig, size: int) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from tandem.sync.protocol import WeightUpdateError
 from . import tp_wire
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepInputs
-from .tensor_parallel import TensorParallel, check_tensor_parallel, full_shape
+from .tensor_parallel import TensorParallel, check_tensor_parallel, full_shape, spmd_group
 
 TIMEOUT_ENV = "TANDEM_TP_TIMEOUT"  # seconds; a step must finish within it on every rank
 DEFAULT_TIMEOUT_S = 300.0
@@ -57,6 +57,8 @@ def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Pa
             config.max_num_seqs)
     if size == 1:
         return ModelRunner(*args)
+    if config.distributed_executor_backend == "external_launcher":
+        return ShardedRunner(*args, tp=spmd_group(size))
     threads = max(1, (os.cpu_count() or 1) // size)
     if device.type == "cpu":
         torch.set_num_threads(threads)
@@ -147,22 +149,11 @@ def _stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-class DriverRunner(ModelRunner):
-    """Rank 0's runner: each operation that touches the model or the KV pool is sent to the
-    workers first, then done here; a failed collective becomes a ``TensorParallelError``."""
-
-    def __init__(self, workers: Workers, *args: Any) -> None:
-        self.workers = workers
-        super().__init__(*args, tp=workers.tp)
-        weakref.finalize(self, workers.close)
-
-    def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Broadcast the step, then run this rank's shard of it."""
-        self.workers.send("step", {name: getattr(step, name) for name in StepInputs.__slots__})
-        try:
-            return super().run_step(step)
-        except RuntimeError as exc:
-            raise self.workers.failure(exc) from exc
+class ShardedRunner(ModelRunner):
+    """A runner of one rank of a tensor-parallel engine: updates are checked against full
+    shapes and each rank applies its slices. Itself the runner of every rank of an SPMD
+    engine (``distributed_executor_backend="external_launcher"``), where each process of a
+    torchrun world runs the same requests and steps in step."""
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter in its full (Hugging Face) shape, dtype and device, as a stand-in
@@ -178,8 +169,9 @@ class DriverRunner(ModelRunner):
         return {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
 
     def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
-        """Send the full tensors to every worker; each rank cuts, checks and votes, and all
-        apply or none do.
+        """Every rank cuts, checks and votes on its slices of the full tensors (the
+        driver's workers get them from it, SPMD ranks have their own), and all apply or
+        none do.
 
         Raises:
             WeightUpdateError: for ``alias``, or when a rank refused its slices.
@@ -187,15 +179,45 @@ class DriverRunner(ModelRunner):
         if alias:
             raise WeightUpdateError("alias updates cannot be sliced per rank: update by copy "
                                     "under tensor parallelism.")
-        self.workers.send("commit_slices", {"staged": staged})
-        try:
-            refusing = self.commit_slices(staged)
-        except RuntimeError as exc:
-            raise self.workers.failure(exc) from exc
+        self.share_staged(staged)
+        refusing = self.commit_slices(staged)
         if refusing:
             raise WeightUpdateError(f"tensor-parallel rank(s) {refusing} refused their slices "
                                     "(non-finite values); no rank applied the update.")
         return False
+
+    def share_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        """Give the other ranks what this one commits (SPMD ranks have their own)."""
+
+
+class DriverRunner(ShardedRunner):
+    """Rank 0's runner: each operation that touches the model or the KV pool is sent to the
+    workers first, then done here; a failed collective becomes a ``TensorParallelError``."""
+
+    def __init__(self, workers: Workers, *args: Any) -> None:
+        self.workers = workers
+        super().__init__(*args, tp=workers.tp)
+        weakref.finalize(self, workers.close)
+
+    def share_staged(self, staged: dict[str, torch.Tensor]) -> None:
+        """Send the full staged tensors to every worker."""
+        self.workers.send("commit_slices", {"staged": staged})
+
+    def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
+        """As ``ShardedRunner.commit_weights``; a failed collective is a
+        ``TensorParallelError``."""
+        try:
+            return super().commit_weights(staged, alias)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
+
+    def run_step(self, step: StepInputs) -> torch.Tensor | None:
+        """Broadcast the step, then run this rank's shard of it."""
+        self.workers.send("step", {name: getattr(step, name) for name in StepInputs.__slots__})
+        try:
+            return super().run_step(step)
+        except RuntimeError as exc:
+            raise self.workers.failure(exc) from exc
 
     def set_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Send the full adapter factors to every worker; each rank applies its slice."""

@@ -1,5 +1,7 @@
-"""Run under torchrun by test_distributed.py: a short GRPO run that records, after every step,
-each rank's engine weight version and a checksum of its weights."""
+"""Run under torchrun by test_distributed.py and test_tensor_parallel.py: a short GRPO run
+that records, after every step, each rank's engine weight version, a checksum of its weights
+and how far each engine parameter (a rank's slice under tensor parallelism) is from the
+matching slice of the trainer's full weights."""
 
 from __future__ import annotations
 
@@ -9,14 +11,26 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tandem.rollout.tensor_parallel import local_slice
 from tandem.trainers.config import load_config
 from tandem.trainers.data_parallel import full_named_parameters, shutdown
 from tandem.trainers.trainer import Trainer
 
 
 def engine_checksum(trainer: Trainer) -> list[float]:
-    parameters = trainer.llm.engine.weight_parameters()
+    """Per engine parameter, in name order, its sum (of a rank's slice under TP)."""
+    parameters = dict(trainer.llm.engine.runner.model.named_parameters())
     return [float(parameters[name].double().sum()) for name in sorted(parameters)]
+
+
+def shard_diff(trainer: Trainer) -> float:
+    """The largest difference between an engine parameter and its slice of the trainer's."""
+    runner = trainer.llm.engine.runner
+    full = dict(full_named_parameters(trainer.policy.model))
+    local = dict(runner.model.named_parameters())
+    return max(float((local[name] - local_slice(name, full[name], runner.model.config,
+                                               runner.tp)).abs().max())
+               for name in local if name in full)
 
 
 def main() -> None:
@@ -27,6 +41,9 @@ def main() -> None:
         metrics = trainer.train_step()
         mine = {"version": trainer.llm.weight_version,
                 "checksum": engine_checksum(trainer), "reward": metrics["reward"],
+                "shard_diff": shard_diff(trainer),
+                "shard_checksum": sum(float(p.double().sum()) for p in
+                                      trainer.llm.engine.runner.model.parameters()),
                 "trainer_checksum": [float(p.double().sum()) for _, p in
                                      sorted(full_named_parameters(trainer.policy.model))]}
         gathered = [None] * dist.get_world_size()

@@ -6,8 +6,11 @@ reported."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -22,6 +25,7 @@ from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
 from .conftest import SMALL, build_tokenizer
+from .test_distributed import WORKER
 from .test_lora import hf_model, lora_model
 from .test_server import MODEL, openai_client, running_server
 from .test_weight_update import trainer_model
@@ -222,3 +226,27 @@ def test_a_worker_that_fails_to_start_is_reported_at_once(model_dir, monkeypatch
     with pytest.raises(TensorParallelError, match="worker rank 1 exited with code 1"):
         LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
     assert time.monotonic() - start < 10
+
+
+def test_torchrun_ranks_share_a_tp_engine_and_each_update_reaches_every_slice(llama_dir,
+                                                                              tmp_path):
+    out = tmp_path / "records.json"
+    overrides = [f"model={llama_dir}", "task=target_token", "task_args={token_id: 100}",
+                 "steps=2", "distributed=ddp", f"output_dir={tmp_path}",
+                 "rollout.prompts_per_step=4", "rollout.num_generations=4",
+                 "rollout.max_tokens=6",
+                 "rollout.engine={num_kv_blocks: 64, max_model_len: 128, device: cpu, "
+                 "tensor_parallel_size: 2}",
+                 "optim.lr=1e-2", "logging.wandb=false", "logging.progress_bar=false"]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--standalone", str(WORKER), str(out), *overrides],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-5000:]
+    records = json.loads(out.read_text())
+    assert len(records) == 2
+    for step, ranks in enumerate(records, start=1):
+        assert [r["version"] for r in ranks] == [step, step]
+        assert all(r["shard_diff"] < 1e-6 for r in ranks)  # each slice is the trainer's
+        assert ranks[0]["trainer_checksum"] == ranks[1]["trainer_checksum"]
+        assert ranks[0]["shard_checksum"] != ranks[1]["shard_checksum"]  # two halves
+    assert records[0][0]["shard_checksum"] != records[1][0]["shard_checksum"]

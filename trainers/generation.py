@@ -125,11 +125,12 @@ def make_collector(llm: LLM, tokenizer: PreTrainedTokenizerBase, config: Rollout
 
 
 def generate_groups(llm: LLM, collector: GroupCollector, examples: list[Example],
-                    score: Callable[[Group], None], extra_example: Callable[[int], Example]
-                    ) -> RolloutBatch:
+                    score: Callable[[Group], None], extra_example: Callable[[int], Example],
+                    keep: Callable[[Group], bool] | None = None) -> RolloutBatch:
     """The step's batch: ``examples`` through ``collector``, each group scored by ``score``
-    as it finishes (see ``GroupCollector``); episode counts for episode groups, and the
-    staleness of the trained tokens (weight versions behind the engine's)."""
+    as it finishes (see ``GroupCollector``), of the groups ``keep`` accepts (default all);
+    episode counts for episode groups, and the staleness of the trained tokens (weight
+    versions behind the engine's)."""
     prefill_before = llm.stats()["prefill_tokens"]
     start = time.perf_counter()
     collected = collector.collect(examples, extra_example, score)
@@ -140,7 +141,8 @@ def generate_groups(llm: LLM, collector: GroupCollector, examples: list[Example]
         metrics.update(episode_metrics(trajectories,
                                        llm.stats()["prefill_tokens"] - prefill_before))
     metrics.update(staleness_metrics(collected.groups, llm.weight_version))
-    return RolloutBatch.from_groups(collected.groups, seconds, metrics)
+    kept = [group for group in collected.groups if keep is None or keep(group)]
+    return RolloutBatch.from_groups(kept, seconds, metrics)
 
 
 def staleness_metrics(groups: list[Group], version: int) -> dict[str, float]:

@@ -56,6 +56,7 @@ from .losses import masked_mean
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, sampling_replay, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
 from .tasks import Example, Task, build_task
+from .tp_rollouts import engine_options, rollout_rank, shared_rollouts
 
 
 class Trainer:
@@ -93,10 +94,7 @@ class Trainer:
                                            betas=config.optim.betas,
                                            weight_decay=config.optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.llm = LLM(str(self.model_dir), **{"dtype": config.dtype,
-                                               "seed": config.seed + self.context.rank,
-                                               **config.rollout.engine,
-                                               "device": str(self.context.device)})
+        self.llm = LLM(str(self.model_dir), **engine_options(config, self.context))
         self.lora_sync = self._build_lora_sync()
         self.partial = None  # the collector that carries groups across steps
         if config.rollout.partial.enabled:
@@ -224,8 +222,9 @@ class Trainer:
         if collector is None:
             collector = make_collector(self.llm, self.tokenizer, rollout or self.config.rollout,
                                        seed, self.task.environment)
-        return generate_groups(self.llm, collector, examples, self._score_group,
-                               self._extra_example)
+        return shared_rollouts(self.llm.engine.runner.tp, examples, lambda shared, keep: (
+            generate_groups(self.llm, collector, shared, self._score_group,
+                            self._extra_example, keep)))
 
     def _examples(self, step: int) -> list[Example]:
         per_step, rank, world = (self.config.rollout.prompts_per_step, self.context.rank,
@@ -250,7 +249,8 @@ class Trainer:
             {**columns, "completion_ids": group.completion_ids})
 
     def _rollout_seed(self, step: int) -> int:
-        return (self.config.seed * 1_000_003 + step) * 10_007 + self.context.rank * 1_009
+        rank = rollout_rank(self.config, self.context)  # one seed per engine
+        return (self.config.seed * 1_000_003 + step) * 10_007 + rank * 1_009
 
     def _optimize(self, batch: RolloutBatch, rewards: torch.Tensor) -> dict[str, float]:
         device = self.context.device
