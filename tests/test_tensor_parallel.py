@@ -250,3 +250,21 @@ def test_torchrun_ranks_share_a_tp_engine_and_each_update_reaches_every_slice(ll
         assert ranks[0]["trainer_checksum"] == ranks[1]["trainer_checksum"]
         assert ranks[0]["shard_checksum"] != ranks[1]["shard_checksum"]  # two halves
     assert records[0][0]["shard_checksum"] != records[1][0]["shard_checksum"]
+
+
+def test_groups_prefix_hits_and_structured_outputs_under_tp(model_dir):
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(model_dir("llama")), tensor_parallel_size=size, **OPTIONS)
+        params = SamplingParams(n=4, max_tokens=8, seed=3, ignore_eos=True)
+        first = llm.generate(PROMPTS, params, use_tqdm=False)
+        again = llm.generate(PROMPTS, params, use_tqdm=False)  # served from the prefix cache
+        stats = llm.stats()
+        choice = SamplingParams(n=4, max_tokens=8, seed=3, structured_outputs={
+            "choice": ["north", "south", "east"]})
+        constrained = llm.generate(PROMPTS, choice, use_tqdm=False)
+        results[size] = ([[c.token_ids for c in o.outputs] for o in first + again],
+                         [c.text for o in constrained for c in o.outputs])
+        assert stats["prefix_cache_hit_tokens"] > 0 and stats["cow_copies"] > 0
+    assert results[2] == results[1]
+    assert set(results[2][1]) <= {"north", "south", "east"}
