@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from tandem.rollout import LLM, SamplingParams
+from tandem.rollout import LLM, Continuation, SamplingParams
 from tandem.rollout.tp_executor import TensorParallelError
 from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
 from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -268,3 +268,15 @@ def test_groups_prefix_hits_and_structured_outputs_under_tp(model_dir):
         assert stats["prefix_cache_hit_tokens"] > 0 and stats["cow_copies"] > 0
     assert results[2] == results[1]
     assert set(results[2][1]) <= {"north", "south", "east"}
+
+
+def test_a_held_completion_continues_under_tp_as_at_tp1(model_dir):
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(model_dir("llama")), tensor_parallel_size=size, **OPTIONS)
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        first = llm.generate([PROMPTS[0]], params, use_tqdm=False, hold_kv=True)[0]
+        turn = llm.generate(Continuation(first.request_id, 0, [40, 41]), params,
+                            use_tqdm=False)[0]
+        results[size] = (first.outputs[0].token_ids, turn.outputs[0].token_ids)
+    assert results[2] == results[1]
