@@ -6,11 +6,8 @@ reported."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -25,7 +22,7 @@ from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
 from .conftest import SMALL, build_tokenizer
-from .test_distributed import WORKER
+from .test_distributed import two_rank_run
 from .test_lora import hf_model, lora_model
 from .test_server import MODEL, openai_client, running_server
 from .test_weight_update import trainer_model
@@ -230,19 +227,7 @@ def test_a_worker_that_fails_to_start_is_reported_at_once(model_dir, monkeypatch
 
 def test_torchrun_ranks_share_a_tp_engine_and_each_update_reaches_every_slice(llama_dir,
                                                                               tmp_path):
-    out = tmp_path / "records.json"
-    overrides = [f"model={llama_dir}", "task=target_token", "task_args={token_id: 100}",
-                 "steps=2", "distributed=ddp", f"output_dir={tmp_path}",
-                 "rollout.prompts_per_step=4", "rollout.num_generations=4",
-                 "rollout.max_tokens=6",
-                 "rollout.engine={num_kv_blocks: 64, max_model_len: 128, device: cpu, "
-                 "tensor_parallel_size: 2}",
-                 "optim.lr=1e-2", "logging.wandb=false", "logging.progress_bar=false"]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--standalone", str(WORKER), str(out), *overrides],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-5000:]
-    records = json.loads(out.read_text())
+    records = two_rank_run(llama_dir, tmp_path, "ddp", ", tensor_parallel_size: 2")
     assert len(records) == 2
     for step, ranks in enumerate(records, start=1):
         assert [r["version"] for r in ranks] == [step, step]
