@@ -271,6 +271,12 @@ class LLMEngine:
         first name (see ``ModelRunner.weight_parameters``)."""
         return self.runner.weight_parameters()
 
+    def full_weight(self, name: str) -> torch.Tensor:
+        """The current whole weight ``name`` (Hugging Face shape), under tensor parallelism
+        gathered from the ranks' slices (what LoRA merging keeps as its base)."""
+        with self.lock:
+            return self.runner.full_weight(name)
+
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
         return self.runner.tied_parameter_names()

@@ -30,7 +30,13 @@ from .models.llama import LoraLinear, head_dim_of
 from .outputs import SamplerOutput
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
-from .tensor_parallel import TensorParallel, local_heads, local_slice, lora_slice
+from .tensor_parallel import (
+    TensorParallel,
+    full_from_slices,
+    local_heads,
+    local_slice,
+    lora_slice,
+)
 
 
 @dataclass(slots=True)
@@ -127,6 +133,17 @@ class ModelRunner:
             for name, tensor in slices.items():
                 parameters[name].copy_(tensor)
         return refusing
+
+    def full_weight(self, name: str) -> torch.Tensor | None:
+        """The whole weight ``name`` of a projection (or a replicated tensor): under tensor
+        parallelism gathered from every rank's slice, on the driver (None on the other
+        ranks) or with SPMD on every rank."""
+        local = dict(self.model.named_parameters())[name].detach()
+        if self.tp.size == 1:
+            return local
+        parts = self.tp.gather(local)
+        return None if parts is None else full_from_slices(name, parts, self.model.config,
+                                                            self.tp)
 
     def lora_layers(self) -> dict[str, LoraLinear]:
         """The layers that can add a run-time LoRA adapter, by weight name."""

@@ -58,17 +58,21 @@ class TensorParallel:
         with ``spmd`` on every rank (each samples the same tokens)."""
         if self.size == 1:
             return logits
-        logits = logits.contiguous()
+        parts = self.gather(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :vocab_size]
+
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``tensor`` (all of one shape), in rank order, on the driver (None
+        on the other ranks), or with ``spmd`` on every rank."""
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
         if self.spmd:
-            outputs = [torch.empty_like(logits) for _ in range(self.size)]
-            self.group.allgather([outputs], [logits]).wait()
-            return torch.cat(outputs, dim=-1)[:, :vocab_size]
-        outputs = [[torch.empty_like(logits) for _ in range(self.size)]] if self.is_driver \
-            else []
+            self.group.allgather([parts], [tensor]).wait()
+            return parts
         options = dist.GatherOptions()
         options.rootRank = 0
-        self.group.gather(outputs, [logits], options).wait()
-        return torch.cat(outputs[0], dim=-1)[:, :vocab_size] if self.is_driver else None
+        self.group.gather([parts] if self.is_driver else [], [tensor], options).wait()
+        return parts if self.is_driver else None
 
     def refusals(self, ok: bool) -> list[int]:
         """The ranks that did not say ``ok``, known to every rank (a commit's one vote)."""
@@ -133,6 +137,19 @@ def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
         part = shape[1] // tp.size
         return 1, tp.rank * part, (tp.rank + 1) * part
     return None
+
+
+def full_from_slices(name: str, parts: list[torch.Tensor], config: PretrainedConfig,
+                     tp: TensorParallel) -> torch.Tensor:
+    """The full tensor ``name`` of a projection's weight from every rank's slice (``parts``,
+    in rank order): concatenated where split, each replicated KV head taken once."""
+    spans = shard_range(name, (1, 1), config, tp)
+    if spans is None:
+        return parts[0]
+    heads = config.num_key_value_heads
+    if name.split(".")[-2] in ("k_proj", "v_proj") and heads < tp.size:
+        parts = parts[::tp.size // heads]
+    return torch.cat(parts, dim=spans[0])
 
 
 def holds_bias(name: str, tp: TensorParallel) -> bool:

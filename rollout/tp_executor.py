@@ -208,6 +208,8 @@ class DriverRunner(ShardedRunner):
         ``TensorParallelError``."""
         try:
             return super().commit_weights(staged, alias)
+        except WeightUpdateError:  # a refusal (a RuntimeError too), not a lost worker
+            raise
         except RuntimeError as exc:
             raise self.workers.failure(exc) from exc
 
@@ -224,6 +226,11 @@ class DriverRunner(ShardedRunner):
         self.workers.send("set_lora", {"factors": {name: list(given)
                                                    for name, given in factors.items()}})
         super().set_lora(factors)
+
+    def full_weight(self, name: str) -> torch.Tensor | None:
+        """The whole weight ``name``, gathered from every rank."""
+        self.workers.send("full_weight", {"name": name})
+        return super().full_weight(name)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's pool (its KV heads' share)."""

@@ -25,7 +25,7 @@ from .tensor_parallel import TensorParallel
 
 # What a message may ask of the worker's runner (and nothing else).
 RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights",
-              "commit_slices", "set_lora")
+              "commit_slices", "set_lora", "full_weight")
 
 
 def serve(args: dict[str, Any]) -> None:

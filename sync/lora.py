@@ -214,11 +214,6 @@ class LoraSync:
         if missing:
             raise TypeError(f"LoraSync needs an LLM or an engine with {', '.join(missing)} "
                             f"(see LoraTarget); {type(engine).__name__} lacks them.")
-        if mode == "merge" and getattr(getattr(engine, "config", None),
-                                       "tensor_parallel_size", 1) > 1:
-            raise ValueError("LoraSync's merge mode under tensor parallelism is not built yet "
-                             "(it keeps full base weights): use mode='runtime', or merge in "
-                             "the trainer and send full weights.")
         self.engine = engine
         self.base_device = base_device
         self.mode = mode
@@ -320,7 +315,9 @@ class LoraSync:
             raise WeightUpdateError(f"unknown module: the engine has no weight {weight!r} (or it "
                                     "is tied to another); its names are Hugging Face's, e.g. "
                                     f"{next(iter(parameters))!r}.")
-        return param.detach().to(self._device(param), copy=True)
+        # An engine split over ranks offers stand-ins of the full shapes: ask for the weight.
+        full = self.engine.full_weight(weight) if hasattr(self.engine, "full_weight") else param
+        return full.detach().to(self._device(param), copy=True)
 
     def _device(self, tensor: torch.Tensor) -> torch.device:
         return tensor.device if self.base_device is None else torch.device(self.base_device)

@@ -125,24 +125,27 @@ def test_a_slice_one_rank_refuses_is_applied_on_no_rank(model_dir):
     assert greedy(llm) == before and llm.weight_version == 0
     with pytest.raises(WeightUpdateError, match="NaN"):  # the usual path refuses it at load
         llm.update_weights([(name, full)], full=False)
-    with pytest.raises(ValueError, match="merge mode under tensor parallelism"):
-        LoraSync(llm)
 
 
+@pytest.mark.parametrize("mode", ["runtime", "merge"])
 @pytest.mark.parametrize("kind", ["llama", "one_kv_head"])
-def test_a_runtime_lora_adapter_under_tp_equals_tp1(kind, model_dir, one_kv_head_dir):
+def test_a_lora_adapter_under_tp_equals_tp1(kind, mode, model_dir, one_kv_head_dir):
     folder = model_dir("llama") if kind == "llama" else one_kv_head_dir
     tensors, spec = peft_adapter_state(lora_model(hf_model(folder), seed=3))
     results = {}
     for size in (1, 2):
         llm = LLM(str(folder), tensor_parallel_size=size, **OPTIONS)
         before = greedy(llm)
-        sync = LoraSync(llm, mode="runtime")
+        sync = LoraSync(llm, mode=mode)
         assert sync.update(tensors, spec) == 1
         results[size] = (before, greedy(llm), llm.generate(
             PROMPTS, SamplingParams(max_tokens=8, logprobs=0, seed=5), use_tqdm=False))
         sync.update({}, spec)  # removing the adapter serves the base weights again
         assert greedy(llm) == before
+        if mode == "merge" and size == 2:  # the kept bases are the gathered full weights
+            base = hf_model(folder).state_dict()
+            for name in sync.bases:
+                torch.testing.assert_close(sync.bases[name], base[name], rtol=0, atol=0)
     (before_1, adapted_1, sampled_1), (before_2, adapted_2, sampled_2) = results[1], results[2]
     assert before_2 == before_1 and adapted_2 == adapted_1 != before_1
     for one, two in zip(sampled_1, sampled_2, strict=True):
