@@ -174,15 +174,16 @@ def test_sleep_and_wake_act_on_every_rank(model_dir):
 
 
 def test_a_hung_worker_is_reported_within_the_timeout(model_dir, monkeypatch):
-    monkeypatch.setenv("TANDEM_TP_TIMEOUT", "3")
+    # Short, but long enough for the group to form on a loaded machine.
+    monkeypatch.setenv("TANDEM_TP_TIMEOUT", "10")
     llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
     worker = llm.engine.runner.workers.processes[0]
     os.kill(worker.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="did not answer within 3 s"):
+        with pytest.raises(TensorParallelError, match="did not answer within 10 s"):
             llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2), use_tqdm=False)
-        assert time.monotonic() - start < 30
+        assert time.monotonic() - start < 60
     finally:
         os.kill(worker.pid, signal.SIGKILL)
 
