@@ -32,18 +32,20 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
                      cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
     """Rotate ``query`` and ``key`` ``[tokens, heads, head_dim]`` in place (rotate-half layout).
 
-    ``cos_cache`` and ``sin_cache`` are ``[max_position, head_dim]`` tables (float32); row
-    ``positions[t]`` rotates token t.
+    ``cos_cache`` and ``sin_cache`` are ``[max_position, head_dim]`` tables (float32) whose
+    two halves are equal, as rotate-half tables are; row ``positions[t]`` rotates token t.
+    Each half is rotated in place (``x1 cos - x2 sin``, ``x2 cos + x1 sin``): the same
+    products and sums as transformers' ``x cos + rotate_half(x) sin``, so the same bits, with
+    two temporaries instead of five and a concatenation.
     """
-    cos = cos_cache[positions].to(query.dtype).unsqueeze(1)
-    sin = sin_cache[positions].to(query.dtype).unsqueeze(1)
+    half = query.shape[-1] // 2
+    cos = cos_cache[positions, :half].to(query.dtype).unsqueeze(1)
+    sin = sin_cache[positions, :half].to(query.dtype).unsqueeze(1)
     for x in (query, key):
-        x.copy_(x * cos + _rotate_half(x) * sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        first, second = x[..., :half], x[..., half:]
+        rotated = first * sin
+        first.mul_(cos).sub_(second * sin)
+        second.mul_(cos).add_(rotated)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
