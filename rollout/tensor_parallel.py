@@ -113,14 +113,24 @@ def vocab_per_rank(vocab_size: int, size: int) -> int:
     return math.ceil(vocab_size / size)
 
 
+def split_dim(name: str) -> int | None:
+    """The dimension along which the tensor ``name`` is split over the ranks, or None for a
+    tensor every rank holds whole (embeddings, norms, a row-parallel bias: only rank 0 adds
+    it, see ``holds_bias``)."""
+    module, kind = name.split(".")[-2:]
+    if module == "lm_head" or module in COLUMN:
+        return 0
+    return 1 if module in ROW and kind == "weight" else None
+
+
 def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
                 tp: TensorParallel) -> tuple[int, int, int] | None:
     """``(dim, start, stop)`` of the full tensor ``name`` (of ``shape``) that rank ``tp.rank``
-    holds, or None for a tensor every rank holds whole (embeddings, norms, a row-parallel
-    bias: only rank 0 adds it, see ``holds_bias``)."""
-    if tp.size == 1:
+    holds, or None for a tensor every rank holds whole (see ``split_dim``)."""
+    dim = split_dim(name)
+    if tp.size == 1 or dim is None:
         return None
-    module, kind = name.split(".")[-2:]
+    module = name.split(".")[-2]
     if module == "lm_head":
         rows = vocab_per_rank(shape[0], tp.size)
         return 0, min(shape[0], tp.rank * rows), min(shape[0], (tp.rank + 1) * rows)
@@ -130,26 +140,21 @@ def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
         first = tp.rank * heads // tp.size  # with fewer heads than ranks, shared by several
         count = local_heads(config, tp.size)[1]
         return 0, first * head_dim, (first + count) * head_dim
-    if module in COLUMN:
-        part = shape[0] // tp.size
-        return 0, tp.rank * part, (tp.rank + 1) * part
-    if module in ROW and kind == "weight":
-        part = shape[1] // tp.size
-        return 1, tp.rank * part, (tp.rank + 1) * part
-    return None
+    part = shape[dim] // tp.size
+    return dim, tp.rank * part, (tp.rank + 1) * part
 
 
 def full_from_slices(name: str, parts: list[torch.Tensor], config: PretrainedConfig,
                      tp: TensorParallel) -> torch.Tensor:
     """The full tensor ``name`` of a projection's weight from every rank's slice (``parts``,
     in rank order): concatenated where split, each replicated KV head taken once."""
-    spans = shard_range(name, (1, 1), config, tp)
-    if spans is None:
+    dim = split_dim(name)
+    if dim is None:
         return parts[0]
     heads = config.num_key_value_heads
     if name.split(".")[-2] in ("k_proj", "v_proj") and heads < tp.size:
         parts = parts[::tp.size // heads]
-    return torch.cat(parts, dim=spans[0])
+    return torch.cat(parts, dim=dim)
 
 
 def holds_bias(name: str, tp: TensorParallel) -> bool:
@@ -163,7 +168,7 @@ def full_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
                tp: TensorParallel) -> tuple[int, ...]:
     """The full (Hugging Face) shape of the tensor ``name`` of which a rank holds ``shape``."""
     module = name.split(".")[-2]
-    if tp.size == 1 or shard_range(name, (1, 1), config, tp) is None:
+    if tp.size == 1 or split_dim(name) is None:
         return shape
     if module == "lm_head":
         return (config.vocab_size, *shape[1:])

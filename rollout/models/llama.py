@@ -10,7 +10,6 @@ row-parallel partial sums with one all-reduce each (see ``tensor_parallel.py``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 
 from ..default_model import cache_dir
-from ..tensor_parallel import TensorParallel, local_heads, shard_range
+from ..tensor_parallel import TensorParallel, local_heads, shard_range, vocab_per_rank
 from .rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
@@ -269,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.tp.size == 1:
             return logits
-        rows = math.ceil(self.config.vocab_size / self.tp.size)
+        rows = vocab_per_rank(self.config.vocab_size, self.tp.size)
         logits = F.pad(logits, (0, rows - logits.shape[-1]))
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
