@@ -281,7 +281,8 @@ def check_engine_tokens(rec: Recorder, folder: Path, device: torch.device,
 
 def check_tensor_parallel(rec: Recorder, folder: Path, device: torch.device,
                           smoke: bool) -> None:
-    """Greedy tokens of TP=2 against TP=1 (needs two GPUs; with --smoke, gloo on CPU)."""
+    """Greedy tokens of TP=2 (eager, then decode graphs holding the NCCL all-reduces)
+    against TP=1 (needs two GPUs; with --smoke, gloo on CPU)."""
     if device.type == "cuda" and torch.cuda.device_count() < 2:
         rec.record("tensor_parallel", "skipped",
                    reason=f"TP=2 needs two GPUs; {torch.cuda.device_count()} present")
@@ -289,14 +290,17 @@ def check_tensor_parallel(rec: Recorder, folder: Path, device: torch.device,
     prompts = [[5, 6, 7, 8], list(range(20, 60))]
     params = SamplingParams(temperature=0, max_tokens=3 if smoke else 32, ignore_eos=True)
     tokens = {}
-    for size in (1, 2):
-        llm = make_llm(folder, device, smoke, tensor_parallel_size=size)
-        tokens[size] = [o.outputs[0].token_ids for o in
+    for name, size, eager in (("TP=1", 1, False), ("TP=2 eager", 2, True),
+                              ("TP=2 graphs", 2, False)):
+        llm = make_llm(folder, device, smoke, tensor_parallel_size=size, enforce_eager=eager)
+        tokens[name] = [o.outputs[0].token_ids for o in
                         llm.generate(prompts, params, use_tqdm=False)]
+        graphs = len(llm.engine.runner.graph_sizes)
         release(llm)
-    same = sum(a == b for a, b in zip(tokens[2], tokens[1]))
-    rec.record("tensor_parallel", "greedy tokens, TP=2 = TP=1",
-               equal_sequences=f"{same}/{len(prompts)}")
+        if size == 2:
+            same = sum(a == b for a, b in zip(tokens[name], tokens["TP=1"]))
+            rec.record("tensor_parallel", f"greedy tokens, {name} = TP=1",
+                       equal_sequences=f"{same}/{len(prompts)}", graph_sizes=graphs)
 
 
 def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:

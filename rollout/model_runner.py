@@ -81,9 +81,7 @@ class ModelRunner:
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
         self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
-        # Graphs would have to capture the all-reduce: not yet under tensor parallelism.
-        captures = (device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
-                    and self.tp.size == 1)
+        captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None
         self.graph_capture_seconds = 0.0

@@ -7,6 +7,11 @@ KV head, so each rank stores only its heads; with fewer KV heads than ranks each
 replicated on ``size / num_kv_heads`` ranks. The LM head is split by vocabulary and its
 logits gathered on rank 0 (the driver), which samples. Embeddings and norms are replicated.
 
+Each engine has two groups: a gloo group for what lives in host memory (the driver's
+messages, the commit's vote) and a device group for the model's tensors (the all-reduces and
+gathers): NCCL on CUDA, where rank ``r`` runs on the device ``r`` places after the driver's
+and the decode graphs capture the all-reduces; a second gloo group on CPU.
+
 ``shard_range`` says which slice of a full (Hugging Face shaped) tensor a rank holds; the
 loader and weight updates cut full tensors with it, so names and full shapes stay Hugging
 Face's on the wire.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,14 +37,16 @@ ROW = ("o_proj", "down_proj")
 class TensorParallel:
     """This rank's place in a tensor-parallel group (``size`` 1: no parallelism).
 
-    ``group`` is a ``ProcessGroupGloo`` of the ranks of one engine: its own, independent of
-    any default process group the process belongs to (a trainer's), or with ``spmd`` a
-    subgroup of that world, in which every rank runs the whole engine in step.
+    ``group`` is a gloo group of the ranks of one engine (host tensors) and
+    ``device_group`` its group for the model's tensors (NCCL on CUDA): the engine's own,
+    independent of any default process group the process belongs to (a trainer's), or with
+    ``spmd`` subgroups of that world, in which every rank runs the whole engine in step.
     """
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    device_group: Any = None
     spmd: bool = False
 
     @property
@@ -49,7 +57,7 @@ class TensorParallel:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the ranks, in place (itself when ``size`` is 1)."""
         if self.size > 1:
-            self.group.allreduce([tensor]).wait()
+            self.device_group.allreduce([tensor]).wait()
         return tensor
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -67,11 +75,11 @@ class TensorParallel:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         if self.spmd:
-            self.group.allgather([parts], [tensor]).wait()
+            self.device_group.allgather([parts], [tensor]).wait()
             return parts
         options = dist.GatherOptions()
         options.rootRank = 0
-        self.group.gather([parts] if self.is_driver else [], [tensor], options).wait()
+        self.device_group.gather([parts] if self.is_driver else [], [tensor], options).wait()
         return parts if self.is_driver else None
 
     def refusals(self, ok: bool) -> list[int]:
@@ -83,9 +91,28 @@ class TensorParallel:
         return [rank for rank, flag in enumerate(flags) if flag.item()]
 
 
-def spmd_group(size: int) -> TensorParallel:
+def device_group(store: dist.Store, rank: int, size: int, timeout: timedelta,
+                 device: torch.device) -> Any:
+    """The group of an engine's model tensors over ``store`` (the one its gloo group uses):
+    NCCL on CUDA, gloo on CPU."""
+    store = dist.PrefixStore("device/", store)
+    if device.type == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, size, timeout)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """The device of rank ``rank`` of an engine whose driver runs on ``device``: the CPU, or
+    the CUDA device ``rank`` places after the driver's."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def spmd_group(size: int, device: torch.device) -> TensorParallel:
     """This process's rank of an engine over ``size`` consecutive ranks of the initialised
-    torch.distributed world (a gloo subgroup each; every rank must call it, in step).
+    torch.distributed world (gloo subgroups, and NCCL ones for the model's tensors on CUDA;
+    every rank must call it, in step).
 
     Raises:
         ValueError: without a world, or when ``size`` does not divide it.
@@ -98,9 +125,11 @@ def spmd_group(size: int) -> TensorParallel:
     if world % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the world of {world} "
                          "ranks: use a divisor of it.")
-    groups = [dist.new_group(list(range(first, first + size)), backend="gloo")
-              for first in range(0, world, size)]
-    return TensorParallel(rank % size, size, groups[rank // size], spmd=True)
+    backends = ("gloo", "nccl" if device.type == "cuda" else "gloo")
+    groups = [[dist.new_group(list(range(first, first + size)), backend=backend)
+               for backend in backends] for first in range(0, world, size)]
+    host, tensors = groups[rank // size]
+    return TensorParallel(rank % size, size, host, tensors, spmd=True)
 
 
 def local_heads(config: PretrainedConfig, size: int) -> tuple[int, int]:
@@ -219,13 +248,14 @@ def lora_slice(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: flo
 
 
 def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.device,
-                          attention_backend: str) -> None:
+                          attention_backend: str, spmd: bool = False) -> None:
     """Refuse a tensor-parallel size this model, machine or backend cannot run.
 
     Raises:
-        ValueError: naming the fix: a size beyond the devices (on CPU, the cores), one that
-            does not divide the attention heads, nor the KV heads when it is smaller than
-            them (nor is divided by them when larger), or the torch kernels on CUDA.
+        ValueError: naming the fix: a size beyond the devices (on CUDA those from the
+            driver's on, or with ``spmd`` all of them; on CPU the cores), one that does not
+            divide the attention heads, nor the KV heads when it is smaller than them (nor
+            is divided by them when larger), or the torch kernels on CUDA.
     """
     if size == 1:
         return
@@ -237,14 +267,14 @@ def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.dev
         raise ValueError(f"tensor_parallel_size={size} and the model's {kv_heads} KV heads: "
                          "one must divide the other (fewer KV heads than ranks are "
                          "replicated); use a size that does.")
-    available = (torch.cuda.device_count() if device.type == "cuda" else os.cpu_count() or 1)
-    where = "CUDA devices" if device.type == "cuda" else "CPU cores"
+    if device.type == "cuda":
+        first = 0 if spmd else device.index or 0
+        available, where = torch.cuda.device_count() - first, f"CUDA devices from cuda:{first}"
+    else:
+        available, where = os.cpu_count() or 1, "CPU cores"
     if size > available:
         raise ValueError(f"tensor_parallel_size={size} exceeds the {available} {where}: use at "
                          f"most {available}.")
     if device.type == "cuda" and attention_backend == "torch":
         raise ValueError("tensor parallelism on CUDA runs the Triton kernels: use "
                          "attention_backend='auto' or 'triton'.")
-    if device.type == "cuda":
-        raise ValueError("tensor parallelism on CUDA (NCCL, one device per rank, graphs with "
-                         "the all-reduce) is not built yet: it runs on CPU (gloo).")

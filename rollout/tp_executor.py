@@ -3,12 +3,13 @@ every operation on them too (vLLM's multiprocess executor is the model).
 
 The driver (rank 0, the engine's own process) schedules, runs its shard and samples. It
 starts ``size - 1`` workers (``python -m tandem.rollout.tp_worker``, arguments as JSON),
-which join a gloo group of their own through a TCP store on 127.0.0.1 (independent of any
-default process group, so a trainer's torch.distributed is untouched). Each step the driver
-broadcasts the step's tensors (``tp_wire``); the workers run their shards, the all-reduces
-meet, and the LM head's vocabulary slices are gathered on the driver. A worker that dies or
-stops answering is reported within ``timeout`` as a ``TensorParallelError`` naming it; the
-workers are shut down when the runner is collected or the process exits.
+which join the engine's groups (``tensor_parallel``) through a TCP store on 127.0.0.1
+(independent of any default process group, so a trainer's torch.distributed is untouched).
+Each step the driver broadcasts the step's tensors (``tp_wire``, over gloo); the workers run
+their shards (or replay their decode graphs, captured together with the driver's), the
+all-reduces meet, and the LM head's vocabulary slices are gathered on the driver. A worker
+that dies or stops answering is reported within ``timeout`` as a ``TensorParallelError``
+naming it; the workers are shut down when the runner is collected or the process exits.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from tandem.sync.protocol import WeightUpdateError
 from . import tp_wire
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepInputs
-from .tensor_parallel import TensorParallel, check_tensor_parallel, full_shape, spmd_group
+from .tensor_parallel import (
+    TensorParallel,
+    check_tensor_parallel,
+    device_group,
+    full_shape,
+    spmd_group,
+)
 
 TIMEOUT_ENV = "TANDEM_TP_TIMEOUT"  # seconds; a step must finish within it on every rank
 DEFAULT_TIMEOUT_S = 300.0
@@ -51,28 +58,30 @@ def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Pa
         ValueError: for a tensor-parallel size the model or machine cannot run.
     """
     size, device = config.tensor_parallel_size, config.torch_device
-    check_tensor_parallel(size, hf_config, device, config.attention_backend)
+    spmd = config.distributed_executor_backend == "external_launcher"
+    check_tensor_parallel(size, hf_config, device, config.attention_backend, spmd)
     args = (hf_config, model_dir, dtype, device, max_model_len, config.block_size,
             eos_token_ids, config.seed, config.attention_backend, config.enforce_eager,
             config.max_num_seqs)
     if size == 1:
         return ModelRunner(*args)
-    if config.distributed_executor_backend == "external_launcher":
-        return ShardedRunner(*args, tp=spmd_group(size))
+    if spmd:
+        return ShardedRunner(*args, tp=spmd_group(size, device))
     threads = max(1, (os.cpu_count() or 1) // size)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
             "device": str(device), "max_model_len": max_model_len,
             "block_size": config.block_size, "attention_backend": config.attention_backend,
+            "enforce_eager": config.enforce_eager, "max_num_seqs": config.max_num_seqs,
             "threads": threads}
-    return DriverRunner(Workers(spec, size), *args)
+    return DriverRunner(Workers(spec, size, device), *args)
 
 
 class Workers:
     """The worker processes of one engine and the group the driver shares with them."""
 
-    def __init__(self, spec: dict[str, Any], size: int) -> None:
+    def __init__(self, spec: dict[str, Any], size: int, device: torch.device) -> None:
         self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         timeout = timedelta(seconds=self.timeout)
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
@@ -84,9 +93,10 @@ class Workers:
         self._wait_joined(store, size)
         try:
             group = dist.ProcessGroupGloo(store, 0, size, timeout)
+            tensors = device_group(store, 0, size, timeout, device)
         except RuntimeError as exc:
             raise self.failure(exc) from exc
-        self.tp = TensorParallel(0, size, group)
+        self.tp = TensorParallel(0, size, group, tensors)
         self.store = store
 
     def _wait_joined(self, store: dist.TCPStore, size: int) -> None:
@@ -231,6 +241,12 @@ class DriverRunner(ShardedRunner):
         """The whole weight ``name``, gathered from every rank."""
         self.workers.send("full_weight", {"name": name})
         return super().full_weight(name)
+
+    def capture_graphs(self) -> None:
+        """Capture every rank's decode graphs together (each holds the all-reduces)."""
+        if self.graph_sizes:
+            self.workers.send("capture_graphs", {})
+        super().capture_graphs()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate every rank's pool (its KV heads' share)."""

@@ -1,7 +1,8 @@
 """A tensor-parallel worker: ``python -m tandem.rollout.tp_worker '<JSON arguments>'``.
 
 Started by the driver (``tp_executor.Workers``) with the model folder, its rank and the
-driver's store port. It joins the engine's gloo group, loads its shard of the weights, and
+driver's store port. It joins the engine's groups on its device (on CUDA the one ``rank``
+places after the driver's), loads its shard of the weights, and
 then does what each broadcast message says, until ``shutdown``. Any error ends the process
 with its traceback, which the driver reports as the worker's exit.
 """
@@ -21,11 +22,11 @@ from transformers import AutoConfig
 from . import tp_wire
 from .config import DTYPES
 from .model_runner import ModelRunner, StepInputs
-from .tensor_parallel import TensorParallel
+from .tensor_parallel import TensorParallel, device_group, rank_device
 
 # What a message may ask of the worker's runner (and nothing else).
 RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights",
-              "commit_slices", "set_lora", "full_weight")
+              "commit_slices", "set_lora", "full_weight", "capture_graphs")
 
 
 def serve(args: dict[str, Any]) -> None:
@@ -34,13 +35,17 @@ def serve(args: dict[str, Any]) -> None:
     timeout = timedelta(seconds=args["timeout"])
     store = dist.TCPStore("127.0.0.1", args["port"], args["size"], False, timeout)
     store.set(f"joined/{args['rank']}", "1")
-    group = dist.ProcessGroupGloo(store, args["rank"], args["size"], timeout)
-    tp = TensorParallel(args["rank"], args["size"], group)
+    rank, size = args["rank"], args["size"]
+    device = rank_device(torch.device(args["device"]), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = dist.ProcessGroupGloo(store, rank, size, timeout)
+    tp = TensorParallel(rank, size, group, device_group(store, rank, size, timeout, device))
     model_dir = Path(args["model_dir"])
-    device = torch.device(args["device"])
     runner = ModelRunner(AutoConfig.from_pretrained(model_dir), model_dir,
                          DTYPES[args["dtype"]], device, args["max_model_len"],
-                         args["block_size"], set(), 0, args["attention_backend"], True, 1, tp)
+                         args["block_size"], set(), 0, args["attention_backend"],
+                         args["enforce_eager"], args["max_num_seqs"], tp)
     while True:
         op, payload = tp_wire.receive(group, device)
         if op == "shutdown":

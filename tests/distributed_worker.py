@@ -41,6 +41,7 @@ def main() -> None:
         metrics = trainer.train_step()
         mine = {"version": trainer.llm.weight_version,
                 "checksum": engine_checksum(trainer), "reward": metrics["reward"],
+                "groups_sampled": metrics.get("groups_sampled"),
                 "shard_diff": shard_diff(trainer),
                 "shard_checksum": sum(float(p.double().sum()) for p in
                                       trainer.llm.engine.runner.model.parameters()),

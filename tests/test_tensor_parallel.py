@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from tandem.rollout import LLM, Continuation, SamplingParams
+from tandem.rollout.tensor_parallel import check_tensor_parallel, rank_device
 from tandem.rollout.tp_executor import TensorParallelError
 from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
 from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -239,6 +241,37 @@ def test_torchrun_ranks_share_a_tp_engine_and_each_update_reaches_every_slice(ll
         assert ranks[0]["trainer_checksum"] == ranks[1]["trainer_checksum"]
         assert ranks[0]["shard_checksum"] != ranks[1]["shard_checksum"]  # two halves
     assert records[0][0]["shard_checksum"] != records[1][0]["shard_checksum"]
+
+
+def test_torchrun_ranks_share_dynamic_sampling_and_partial_rollouts(llama_dir, tmp_path):
+    # Every rank of the engine must admit the same extra prompts and carry the same groups,
+    # or the ranks' steps (and their all-reduces) would stop pairing up.
+    records = two_rank_run(llama_dir, tmp_path, "ddp", ", tensor_parallel_size: 2", (
+        "rollout.dynamic_sampling={enabled: true, max_extra_prompts: 4}",
+        "rollout.partial={enabled: true, over_provision: 2}"))
+    assert len(records) == 2
+    for step, ranks in enumerate(records, start=1):
+        assert [r["version"] for r in ranks] == [step, step]
+        assert all(r["shard_diff"] < 1e-6 for r in ranks)
+        assert ranks[0]["groups_sampled"] > 4  # extras were admitted (a flat group each)
+
+
+def test_tp_on_cuda_takes_one_device_per_rank_from_the_driver_s():
+    assert rank_device(torch.device("cuda", 2), 1) == torch.device("cuda", 3)
+    assert rank_device(torch.device("cuda"), 1) == torch.device("cuda", 1)
+    assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("device, backend, spmd, match", [
+    ("cuda:1", "auto", False, "exceeds the 1 CUDA devices from cuda:1"),
+    ("cuda:0", "torch", False, "runs the Triton kernels"),
+    ("cuda:1", "auto", True, None),  # a torchrun rank's own device: any of them
+    ("cuda:0", "triton", False, None),
+])
+def test_tp_on_cuda_is_checked_against_the_devices(device, backend, spmd, match, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with nullcontext() if match is None else pytest.raises(ValueError, match=match):
+        check_tensor_parallel(2, LlamaConfig(**SMALL), torch.device(device), backend, spmd)
 
 
 def test_groups_prefix_hits_and_structured_outputs_under_tp(model_dir):

@@ -126,9 +126,10 @@ def make_collector(llm: LLM, tokenizer: PreTrainedTokenizerBase, config: Rollout
 
 def generate_groups(llm: LLM, collector: GroupCollector, examples: list[Example],
                     score: Callable[[Group], None], extra_example: Callable[[int], Example],
-                    keep: Callable[[Group], bool] | None = None) -> RolloutBatch:
+                    keep: slice | None = None) -> RolloutBatch:
     """The step's batch: ``examples`` through ``collector``, each group scored by ``score``
-    as it finishes (see ``GroupCollector``), of the groups ``keep`` accepts (default all);
+    as it finishes (see ``GroupCollector``), of the groups (in key order) ``keep`` takes
+    (default all);
     episode counts for episode groups, and the staleness of the trained tokens (weight
     versions behind the engine's)."""
     prefill_before = llm.stats()["prefill_tokens"]
@@ -141,7 +142,7 @@ def generate_groups(llm: LLM, collector: GroupCollector, examples: list[Example]
         metrics.update(episode_metrics(trajectories,
                                        llm.stats()["prefill_tokens"] - prefill_before))
     metrics.update(staleness_metrics(collected.groups, llm.weight_version))
-    kept = [group for group in collected.groups if keep is None or keep(group)]
+    kept = collected.groups if keep is None else collected.groups[keep]
     return RolloutBatch.from_groups(kept, seconds, metrics)
 
 

@@ -4,8 +4,9 @@ With ``rollout.engine.tensor_parallel_size = T > 1`` under a world of ``W`` rank
 ``T`` consecutive ranks is one engine (``distributed_executor_backend="external_launcher"``):
 every rank of it holds a slice of the model and runs the same requests in step. Such a group
 generates the prompts of all its ranks: each rank's examples are gathered within the group
-(as JSON), every rank generates them all with the group's one seed, and each keeps the groups
-of its own examples to train on, as it would have with an engine of its own. With one rank
+(as JSON), every rank generates them all with the group's one seed (and the group's extra
+prompts, for dynamic sampling and partial rollouts), and each trains on its share of the
+step's groups, as many as it would have had with an engine of its own. With one rank
 (``W == 1``) a TP engine starts its own worker processes instead (``"mp"``) and nothing here
 applies.
 """
@@ -23,7 +24,6 @@ from tandem.rollout.tensor_parallel import TensorParallel
 
 from .config import TrainConfig
 from .data_parallel import DistributedContext
-from .groups import Group
 from .tasks import Example
 
 
@@ -39,18 +39,10 @@ def is_spmd(config: TrainConfig, context: DistributedContext) -> bool:
 
 def engine_options(config: TrainConfig, context: DistributedContext) -> dict[str, Any]:
     """The ``LLM`` arguments of this rank's engine: the recipe's, the trainer's dtype and
-    device, a seed shared by the ranks of one engine, and the SPMD backend when they share.
-
-    Raises:
-        ValueError: for dynamic sampling or partial rollouts with SPMD engines (not built).
-    """
+    device, a seed shared by the ranks of one engine, and the SPMD backend when they share."""
     options = {"dtype": config.dtype, "seed": config.seed + rollout_rank(config, context),
                **config.rollout.engine, "device": str(context.device)}
     if is_spmd(config, context):
-        if config.rollout.dynamic_sampling.enabled or config.rollout.partial.enabled:
-            raise ValueError("rollout.dynamic_sampling and rollout.partial with engines shared "
-                             "by torchrun ranks (tensor_parallel_size > 1) are not built yet: "
-                             "turn them off, or run one rank per engine.")
         options["distributed_executor_backend"] = "external_launcher"
     return options
 
@@ -61,10 +53,24 @@ def rollout_rank(config: TrainConfig, context: DistributedContext) -> int:
         else context.rank
 
 
+def rollout_slot(config: TrainConfig, context: DistributedContext, step: int) -> int:
+    """This rank's engine's place among every engine's steps: ``step`` (from 1) times the
+    engines, plus its own (shared by the ranks of an SPMD engine, so they agree)."""
+    engines = context.world_size // tensor_parallel_size(config) if is_spmd(config, context) \
+        else context.world_size
+    return (step - 1) * engines + rollout_rank(config, context)
+
+
 def shared_rollouts(tp: TensorParallel, examples: list[Example],
-                    run: Callable[[list[Example], Callable[[Group], bool] | None], Any]) -> Any:
-    """``run(examples, keep)`` over the examples of every rank of an SPMD engine (``tp``;
-    ``keep`` says which groups are this rank's own); otherwise over this rank's alone."""
+                    run: Callable[[list[Example], slice | None], Any]) -> Any:
+    """``run(examples, keep)`` over the examples of every rank of an SPMD engine (``tp``);
+    otherwise over this rank's alone (``keep`` None).
+
+    ``keep`` is this rank's share of the step's groups in key order: as many as it has
+    examples, at the place of its examples among the group's. Every rank of the engine
+    collects the same groups (the same requests, tokens and scores), so the shares split
+    them exactly, dynamic sampling's replacements and partial rollouts' carried groups too.
+    """
     if not tp.spmd:
         return run(examples, None)
     group = tp.group
@@ -73,8 +79,7 @@ def shared_rollouts(tp: TensorParallel, examples: list[Example],
     offset = sum(len(part) for part in gathered[:rank])
     combined = [example for part in gathered for example in part]
     combined[offset:offset + len(examples)] = examples  # this rank's own objects
-    own = {id(example) for example in examples}
-    return run(combined, lambda result: id(result.example) in own)
+    return run(combined, slice(offset, offset + len(examples)))
 
 
 def _all_gather_json(value: Any, group: Any) -> list[Any]:

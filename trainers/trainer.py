@@ -56,7 +56,7 @@ from .losses import masked_mean
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, sampling_replay, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
 from .tasks import Example, Task, build_task
-from .tp_rollouts import engine_options, rollout_rank, shared_rollouts
+from .tp_rollouts import engine_options, rollout_rank, rollout_slot, shared_rollouts
 
 
 class Trainer:
@@ -235,10 +235,10 @@ class Trainer:
 
     def _extra_example(self, extra: int) -> Example:
         """The step's ``extra``-th extra prompt (dynamic sampling's, partial rollouts'): a
-        stream of its own (negative indices), disjoint per step and rank from the steps'."""
+        stream of its own (negative indices), disjoint per step and engine from the steps'."""
         partial, dynamic = self.config.rollout.partial, self.config.rollout.dynamic_sampling
         per_step = dynamic.max_extra_prompts + partial.over_provision * partial.enabled
-        slot = (self.step - 1) * self.context.world_size + self.context.rank
+        slot = rollout_slot(self.config, self.context, self.step)
         return self.task.train_example(self.config.seed, -1 - (slot * per_step + extra))
 
     def _score_group(self, group: Group) -> None:
