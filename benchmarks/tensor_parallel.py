@@ -85,10 +85,13 @@ def main() -> None:
           f"{work.max_tokens} tokens; median of {args.repeats} alternating calls")
     print_table(rows)
     print(f"\nKV blocks per rank at {KV_BUDGET >> 20} MiB per rank "
-          f"({engines[1].engine.runner.model.config.num_key_value_heads} KV heads)")
-    print_table([("engine", "KV heads per rank", "blocks per rank", "tokens per rank")] + [
+          f"({engines[1].engine.runner.model.config.num_key_value_heads} KV heads), and the "
+          "weights each rank holds (the embedding split by vocabulary under TP)")
+    print_table([("engine", "KV heads per rank", "blocks per rank", "tokens per rank",
+                  "weight MiB per rank")] + [
         (f"TP={size}", str(llm.engine.runner.model.model.layers[0].self_attn.num_kv_heads),
-         str(llm.engine.num_kv_blocks), str(llm.engine.num_kv_blocks * 16))
+         str(llm.engine.num_kv_blocks), str(llm.engine.num_kv_blocks * 16),
+         f"{llm.engine.runner.weight_bytes() / 2**20:.0f}")
         for size, llm in engines.items()])
 
 

@@ -5,7 +5,8 @@ rank computes its attention heads and its share of the MLP), o and down by input
 (row-parallel: each rank's partial sums are added by one all-reduce). The KV pool is split by
 KV head, so each rank stores only its heads; with fewer KV heads than ranks each head is
 replicated on ``size / num_kv_heads`` ranks. The LM head is split by vocabulary and its
-logits gathered on rank 0 (the driver), which samples. Embeddings and norms are replicated.
+logits gathered on rank 0 (the driver), which samples; the embedding is split the same way
+(each rank looks up the tokens in its rows, one all-reduce adds them). Norms are replicated.
 
 Each engine has two groups: a gloo group for what lives in host memory (the driver's
 messages, the commit's vote) and a device group for the model's tensors (the all-reduces and
@@ -31,6 +32,7 @@ from transformers import PretrainedConfig
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
+VOCAB = ("embed_tokens", "lm_head")  # split by vocabulary rows
 
 
 @dataclass(slots=True)
@@ -144,10 +146,10 @@ def vocab_per_rank(vocab_size: int, size: int) -> int:
 
 def split_dim(name: str) -> int | None:
     """The dimension along which the tensor ``name`` is split over the ranks, or None for a
-    tensor every rank holds whole (embeddings, norms, a row-parallel bias: only rank 0 adds
-    it, see ``holds_bias``)."""
+    tensor every rank holds whole (norms, a row-parallel bias: only rank 0 adds it, see
+    ``holds_bias``)."""
     module, kind = name.split(".")[-2:]
-    if module == "lm_head" or module in COLUMN:
+    if module in VOCAB or module in COLUMN:
         return 0
     return 1 if module in ROW and kind == "weight" else None
 
@@ -160,7 +162,7 @@ def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
     if tp.size == 1 or dim is None:
         return None
     module = name.split(".")[-2]
-    if module == "lm_head":
+    if module in VOCAB:
         rows = vocab_per_rank(shape[0], tp.size)
         return 0, min(shape[0], tp.rank * rows), min(shape[0], (tp.rank + 1) * rows)
     if module in ("k_proj", "v_proj"):
@@ -199,7 +201,7 @@ def full_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
     module = name.split(".")[-2]
     if tp.size == 1 or split_dim(name) is None:
         return shape
-    if module == "lm_head":
+    if module in VOCAB:
         return (config.vocab_size, *shape[1:])
     if module in ("k_proj", "v_proj"):
         head_dim = shape[0] // local_heads(config, tp.size)[1]

@@ -169,14 +169,10 @@ class ShardedRunner(ModelRunner):
         """Every parameter in its full (Hugging Face) shape, dtype and device, as a stand-in
         that takes no memory (a scalar expanded): updates are checked against it, then each
         rank cuts its slice (``commit_weights``)."""
-        tied, config = self.tied_parameter_names(), self.model.config
+        config = self.model.config
         return {name: torch.empty((), dtype=p.dtype, device=p.device).expand(
             full_shape(name, tuple(p.shape), config, self.tp))
-            for name, p in self.model.named_parameters() if name not in tied}
-
-    def tied_parameter_names(self) -> set[str]:
-        """A tied ``lm_head.weight`` (each rank's LM head is a view of its embedding rows)."""
-        return {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
+            for name, p in self.model.named_parameters()}
 
     def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
         """Every rank cuts, checks and votes on its slices of the full tensors (the

@@ -206,13 +206,36 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class VocabEmbedding(nn.Embedding):
+    """The token embedding; under tensor parallelism this rank's rows of the vocabulary
+    (``vocab_rows``, the LM head's), each token looked up on the rank that holds it and the
+    ranks' rows added by one all-reduce (zeros elsewhere), as vLLM's vocabulary-parallel
+    embedding does."""
+
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+        self.vocab_rows = shard_range("embed_tokens.weight", (config.vocab_size,), config, tp) \
+            or (0, 0, config.vocab_size)
+        super().__init__(self.vocab_rows[2] - self.vocab_rows[1], config.hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[tokens, hidden]`` of ``input_ids``."""
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        _, start, stop = self.vocab_rows
+        local = input_ids - start
+        elsewhere = (local < 0) | (local >= stop - start)
+        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
                  device: torch.device, ops: KernelOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_position, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, spec, ops, tp) for _ in range(config.num_hidden_layers))
@@ -231,7 +254,7 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM; ``lm_head`` shares the embedding when the config ties them
-    (under tensor parallelism, this rank's rows of it)."""
+    (under tensor parallelism both hold this rank's rows of the vocabulary)."""
 
     def __init__(self, config: PretrainedConfig, spec: ArchitectureSpec, max_position: int,
                  device: torch.device, ops: KernelOps, tp: TensorParallel) -> None:
@@ -239,23 +262,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, spec, max_position, device, ops, tp)
-        self.vocab_rows = shard_range("lm_head.weight", (config.vocab_size,), config, tp) \
-            or (0, 0, config.vocab_size)
-        self.lm_head = Linear(config.hidden_size, self.vocab_rows[2] - self.vocab_rows[1],
-                              bias=False)
+        _, start, stop = self.model.embed_tokens.vocab_rows
+        self.lm_head = Linear(config.hidden_size, stop - start, bias=False)
         self.linear_layout: str | None = None  # see pack_linear_weights
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with ``lm_head`` when the config ties them."""
-        if not self.config.tie_word_embeddings:
-            return
-        embedding = self.model.embed_tokens.weight
-        if self.tp.size == 1:
-            self.lm_head.weight = embedding
-        else:  # a view of this rank's rows: an update of the embedding reaches it
-            _, start, stop = self.vocab_rows
-            self.lm_head.weight = nn.Parameter(embedding.data[start:stop], requires_grad=False)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
