@@ -19,7 +19,13 @@ from tandem.rollout import LLM, Continuation, SamplingParams
 from tandem.rollout.tensor_parallel import check_tensor_parallel, rank_device
 from tandem.rollout.tp_executor import TensorParallelError
 from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
-from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig, TrainConfig
+from tandem.trainers.config import (
+    LoggingConfig,
+    OptimConfig,
+    PartialRolloutConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from tandem.trainers.tasks import Task
 from tandem.trainers.trainer import Trainer
 
@@ -207,20 +213,25 @@ def test_tandem_serve_with_tp_answers_the_openai_client(model_dir):
         assert completion.choices[0].text == offline[0].outputs[0].text
 
 
-def test_the_native_trainer_runs_a_tp_engine(model_dir, tmp_path):
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_native_trainer_runs_a_tp_engine(model_dir, tmp_path, partial):
     task = Task(lambda seed, index: {"prompt": f"Count {index}: one two"}, [],
                 {"length": lambda completion_ids, **_: [float(len(i)) for i in completion_ids]},
                 [("length", 1.0)])
     config = TrainConfig(
         model=str(model_dir("llama")), steps=2, output_dir=str(tmp_path),
         rollout=RolloutConfig(prompts_per_step=2, num_generations=4, max_tokens=8,
-                              engine={"num_kv_blocks": 64, "tensor_parallel_size": 2}),
+                              engine={"num_kv_blocks": 64, "tensor_parallel_size": 2},
+                              partial=PartialRolloutConfig(enabled=partial, over_provision=2)),
         optim=OptimConfig(lr=1e-3), logging=LoggingConfig(wandb=False, progress_bar=False))
     trainer = Trainer(config, task=task)
     for step in (1, 2):
         metrics = trainer.train_step()
-        # The second step samples from the weights the first pushed to both ranks.
-        assert metrics["weight_version"] == step and metrics["sampler_logprob_diff_max"] < 1e-4
+        assert metrics["weight_version"] == step
+        if not partial:  # the second step samples from the weights the first pushed
+            assert metrics["sampler_logprob_diff_max"] < 1e-4
+    if partial:  # groups paused with their KV on both ranks went on under the new weights
+        assert trainer.partial is not None and metrics["staleness_0"] < 1.0
 
 
 def test_a_worker_that_fails_to_start_is_reported_at_once(model_dir, monkeypatch):
