@@ -62,7 +62,7 @@ class LLMEngine:
                                   self.eos_token_ids)
         kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
                                 self.runner.weight_bytes(), self.runner.graph_sizes)
-        self.num_kv_blocks = kv_size.num_blocks
+        self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
         self.memory_plan = kv_size.plan
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.runner.capture_graphs()

@@ -156,6 +156,11 @@ class ModelRunner:
             module.set_lora(None if given is None
                             else lora_slice(name, *given, self.model.config, self.tp))
 
+    def agreed_num_blocks(self, num_blocks: int) -> int:
+        """``num_blocks``, or for the ranks of an SPMD engine (each sizes its pool from its
+        own device's budget) the fewest of any rank: their schedulers must stay alike."""
+        return self.tp.fewest(num_blocks) if self.tp.spmd else num_blocks
+
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (tied ones counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

@@ -84,6 +84,16 @@ class TensorParallel:
         self.device_group.gather([parts] if self.is_driver else [], [tensor], options).wait()
         return parts if self.is_driver else None
 
+    def fewest(self, value: int) -> int:
+        """The smallest of every rank's ``value``, known to every rank."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self.group.allreduce([tensor], options).wait()
+        return int(tensor.item())
+
     def refusals(self, ok: bool) -> list[int]:
         """The ranks that did not say ``ok``, known to every rank (a commit's one vote)."""
         if self.size == 1:

@@ -42,6 +42,8 @@ def main() -> None:
         mine = {"version": trainer.llm.weight_version,
                 "checksum": engine_checksum(trainer), "reward": metrics["reward"],
                 "groups_sampled": metrics.get("groups_sampled"),
+                # what the ranks of an engine agree on (the fewest KV blocks): 10 under TP
+                "fewest": trainer.llm.engine.runner.tp.fewest(10 + dist.get_rank()),
                 "shard_diff": shard_diff(trainer),
                 "shard_checksum": sum(float(p.double().sum()) for p in
                                       trainer.llm.engine.runner.model.parameters()),

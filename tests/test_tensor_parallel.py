@@ -251,6 +251,7 @@ def test_torchrun_ranks_share_a_tp_engine_and_each_update_reaches_every_slice(ll
         assert all(r["shard_diff"] < 1e-6 for r in ranks)  # each slice is the trainer's
         assert ranks[0]["trainer_checksum"] == ranks[1]["trainer_checksum"]
         assert ranks[0]["shard_checksum"] != ranks[1]["shard_checksum"]  # two halves
+        assert [r["fewest"] for r in ranks] == [10, 10]
     assert records[0][0]["shard_checksum"] != records[1][0]["shard_checksum"]
 
 
