@@ -132,6 +132,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_decodes:
         output[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache,
                                                  metadata, scale)
+    if num_decodes == len(metadata.context_lens):
+        return output
     starts = metadata.cu_seqlens_q.tolist()
     context_lens = metadata.context_lens.tolist()
     for s in range(num_decodes, len(context_lens)):
