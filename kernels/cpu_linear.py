@@ -1,28 +1,29 @@
-"""The CPU linear layers: a private copy of each weight in the layout this machine multiplies
-fastest.
+"""The CPU linear layers: each weight in the layout this machine multiplies fastest.
 
 ``torch.nn.functional.linear`` on CPU multiplies by the weight as it is stored, ``[out, in]``
 row-major. Two other layouts can be faster, by how much depending on the machine (both are
 in ``benchmarks/matmul_floor.py``):
 
-- ``"transposed"``: a contiguous ``[in, out]`` copy, multiplied by ``torch.mm`` (BLAS with no
-  transpose). On an AVX-512 Xeon it beats ``F.linear`` by 1.2-1.3x from 1 row to 64, and
-  oneDNN's packed matmul too.
+- ``"transposed"``: the weight itself stored column-major (``store_column_major``: still
+  ``[out, in]``, the same parameter, its storage a contiguous ``[in, out]`` matrix), so
+  ``F.linear`` multiplies by it with no transpose (BLAS's fast case on an AVX-512 Xeon:
+  1.0-1.07x F.linear's tokens per second on the grpo workload). No copy: an update written
+  into the parameter is what the next step multiplies by.
 - ``"onednn"``: oneDNN's blocked layout (what vLLM's CPU build and inductor's freezing use):
-  ``torch.ops.mkldnn._reorder_linear_weight`` once, then ``_linear_pointwise``. On an AVX2
-  EPYC it beats ``F.linear`` at every row count from 1 to 256.
+  a copy (``PackedWeight``: ``torch.ops.mkldnn._reorder_linear_weight`` once, then
+  ``_linear_pointwise``), layers that read the same input packed as one matrix. On an AVX2
+  EPYC it beats ``F.linear`` at every row count from 1 to 256; in bfloat16 on AMX it is the
+  only fast one.
 
-``fastest_layout`` times the candidates (``None``, plain ``F.linear`` with no copy, among
-them) on the model's own leading layers when the engine loads, so each machine gets its own
-best. The choice is remembered in a JSON file per machine (CPU model, threads, torch
+``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
+among them) on the model's own leading layers when the engine loads, so each machine gets
+its own best. The choice is remembered in a JSON file per machine (CPU model, threads, torch
 version, dtype and the weights' shapes), so every later engine there takes the same layout:
-timing noise must not make two runs of one job differ in their last bits. Layers that read
-the same input share one copy: one call instead of three for q/k/v, much of the cost at a
-few rows.
+timing noise must not make two runs of one job differ in their last bits.
 
-A copy is a cache: it is rebuilt whenever any of its weights' storage or version counter
-(bumped by every in-place write, such as a weight update's ``copy_``) changes, so it never
-serves stale weights. A weight whose values change without either (an aliased trainer
+A oneDNN copy is a cache: it is rebuilt whenever any of its weights' storage or version
+counter (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it
+never serves stale weights. A weight whose values change without either (an aliased trainer
 tensor) must not be copied: the model drops its copies then (``pack_linear_weights(None)``).
 """
 
@@ -43,8 +44,9 @@ from torch import nn
 LAYOUTS = ("transposed", "onednn")
 CALIBRATION_ROWS = (1, 64)  # a decode step of one sequence, and of a GRPO batch
 CALIBRATION_REPEATS = 3
-# A copy doubles the weights' memory: it must beat F.linear by more than the timing noise.
+# oneDNN's copy doubles the weights' memory: it must beat F.linear by more than the noise.
 COPY_MARGIN = 1.05
+CHOICE_RULES = 2  # part of a remembered choice's key: bumped when what is timed changes
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -63,18 +65,25 @@ def candidate_layouts(dtype: torch.dtype) -> list[str | None]:
     return [None, "transposed", *(["onednn"] if packs(dtype) else [])]
 
 
+def store_column_major(weight: nn.Parameter, column_major: bool) -> None:
+    """Re-store ``weight`` ``[out, in]`` column-major (its storage ``[in, out]``, the
+    ``"transposed"`` layout) or back row-major, in place of its data (values unchanged)."""
+    data = weight.data
+    if column_major and not data.t().is_contiguous():
+        weight.data = data.t().contiguous().t()
+    elif not column_major and not data.is_contiguous():
+        weight.data = data.contiguous()
+
+
 class PackedWeight:
-    """The weights of one or more linear layers that read the same input (q/k/v, gate/up),
-    stacked along their outputs in ``layout`` (one of ``LAYOUTS``), with their biases;
-    rebuilt whenever any of them changes. Calling it multiplies by all of them at once."""
+    """oneDNN's packed copy of the weights of one or more linear layers that read the same
+    input (q/k/v, gate/up), stacked along their outputs, with their biases; rebuilt whenever
+    any of them changes. Calling it multiplies by all of them at once."""
 
-    __slots__ = ("layers", "layout", "key", "weight", "bias")
+    __slots__ = ("layers", "key", "weight", "bias")
 
-    def __init__(self, layers: Sequence[nn.Linear], layout: str) -> None:
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown linear layout {layout!r}: use one of {LAYOUTS}.")
+    def __init__(self, layers: Sequence[nn.Linear]) -> None:
         self.layers = tuple(layers)
-        self.layout = layout
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
@@ -86,8 +95,7 @@ class PackedWeight:
         if key != self.key:
             weights = [layer.weight.detach() for layer in self.layers]
             stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-            self.weight = (torch.ops.mkldnn._reorder_linear_weight(stacked, None)
-                           if self.layout == "onednn" else stacked.t().contiguous())
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), None)
             self.bias = self._stacked_bias()
             self.key = key
         return self.weight, self.bias
@@ -103,9 +111,7 @@ class PackedWeight:
         """``x @ W^T + b`` for ``x`` ``[rows, in]``, W and b the layers' stacked weights and
         biases: their outputs side by side."""
         weight, bias = self.current()
-        if self.layout == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,
@@ -113,8 +119,8 @@ def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,
     """The candidate layout (``candidate_layouts``) that multiplies ``groups`` (each a list
     of layers reading the same input, multiplied as one) fastest: the least sum over
     ``CALIBRATION_ROWS`` of its seconds per pass relative to the fastest candidate's at
-    that row count, so no row count dominates; a layout that copies the weights must be
-    ``COPY_MARGIN`` faster than ``F.linear`` on them. With ``remembered`` (a JSON file), a
+    that row count, so no row count dominates; ``"onednn"``, which copies the weights, must
+    be ``COPY_MARGIN`` faster than ``F.linear`` on them. With ``remembered`` (a JSON file), a
     choice made before on this machine for the same shapes is taken untimed, and a new one
     is written there."""
     key = _machine_key(groups, dtype)
@@ -132,7 +138,7 @@ def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> 
     seconds = {layout: [_pass_seconds(groups, layout, rows) for rows in CALIBRATION_ROWS]
                for layout in candidates}
     best = [min(times[i] for times in seconds.values()) for i in range(len(CALIBRATION_ROWS))]
-    return min(candidates, key=lambda layout: (1.0 if layout is None else COPY_MARGIN) * sum(
+    return min(candidates, key=lambda layout: (COPY_MARGIN if layout == "onednn" else 1.0) * sum(
         t / b for t, b in zip(seconds[layout], best, strict=True)))
 
 
@@ -140,7 +146,7 @@ def _machine_key(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> s
     """A digest of what the timing depends on: the CPU, threads, torch, dtype and shapes."""
     shapes = [[list(layer.weight.shape) for layer in group] for group in groups]
     parts = [_cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
-             str(dtype), shapes]
+             str(dtype), shapes, CHOICE_RULES]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
@@ -172,18 +178,20 @@ def _write_choices(path: Path, choices: dict[str, str | None]) -> None:
 
 def _pass_seconds(groups: Sequence[Sequence[nn.Linear]], layout: str | None, rows: int) -> float:
     """The least of ``CALIBRATION_REPEATS`` timed passes of ``rows`` random rows through
-    every group in ``layout`` (None: ``F.linear`` per layer), after an untimed one."""
+    every group in ``layout`` (None: ``F.linear`` per layer; ``"transposed"``: the same on
+    column-major copies), after an untimed one."""
     weight = groups[0][0].weight
     inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=weight.dtype,
                                              device=weight.device)
               for group in groups for layer in group}
-    if layout is None:
-        calls = [lambda x, layer=layer: F.linear(x, layer.weight, layer.bias)
-                 for group in groups for layer in group]
-        sizes = [layer.in_features for group in groups for layer in group]
-    else:
-        calls = [PackedWeight(group, layout) for group in groups]
+    if layout == "onednn":
+        calls = [PackedWeight(group) for group in groups]
         sizes = [group[0].in_features for group in groups]
+    else:
+        weights = [(layer.weight.detach().t().contiguous().t() if layout else layer.weight,
+                    layer.bias) for group in groups for layer in group]
+        calls = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
+        sizes = [w.shape[1] for w, _ in weights]
     best = float("inf")
     with torch.no_grad():
         for repeat in range(CALIBRATION_REPEATS + 1):

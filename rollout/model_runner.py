@@ -58,9 +58,9 @@ class ModelRunner:
 
     Graphs are captured only on CUDA, with the Triton kernels (the torch reference
     synchronises with the device) and without ``enforce_eager``; ``graph_sizes`` is empty
-    otherwise. On CPU with the torch kernels the linear layers multiply through copies of
-    their weights in the layout timed fastest on this machine when the model loads
-    (``kernels/cpu_linear.py``; ``model.linear_layout`` names it).
+    otherwise. On CPU with the torch kernels the linear layers multiply in the layout timed
+    fastest on this machine when the model loads (``kernels/cpu_linear.py``;
+    ``model.linear_layout`` names it).
     """
 
     def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
@@ -100,7 +100,7 @@ class ModelRunner:
     def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
         """Copy (or with ``alias`` adopt) the staged tensors into the parameters; True when
         an adopted tensor moved a parameter to new storage. Aliasing ends the CPU weight
-        copies: an aliased weight changes in place unseen."""
+        layouts (copies would go stale: an aliased weight changes in place unseen)."""
         parameters, moved = self.weight_parameters(), False
         if alias:
             self.model.pack_linear_weights(None)

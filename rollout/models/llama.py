@@ -1,9 +1,10 @@
 """Llama-family decoders (Llama, Mistral, Qwen2, Qwen3, SmolLM) over the paged KV cache.
 
 Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up projections), so
-a checkpoint loads name for name and a trainer's weights need no mapping. On CPU, when the
-engine keeps copies of the weights (``pack_linear_weights``), the projections that read the
-same input still multiply as one matrix (``FusedProjections``). Under tensor parallelism
+a checkpoint loads name for name and a trainer's weights need no mapping. On CPU the
+weights may be stored column-major, or multiplied through oneDNN copies under which the
+projections that read the same input multiply as one matrix (``pack_linear_weights``,
+``FusedProjections``). Under tensor parallelism
 (``tp``) each rank builds its slice of every projection, of the same names, and adds the
 row-parallel partial sums with one all-reduce each (see ``tensor_parallel.py``).
 """
@@ -288,19 +289,23 @@ class LlamaForCausalLM(nn.Module):
         return self.tp.gather_vocab(logits, self.config.vocab_size)
 
     def pack_linear_weights(self, layout: str | None) -> None:
-        """Multiply every projection through a copy of its weight in ``layout`` (one of
-        ``cpu_linear.LAYOUTS``), q/k/v and gate/up each as one matrix; or (None) through the
-        weight itself: an aliased weight changes in place unseen, so it must never be
-        copied. The LM head stays on ``F.linear``: packed, the embedded model's prompt
-        log-probs drift past transformers' by 1.1e-4, over the parity tests' 1e-4."""
+        """Multiply every projection in ``layout`` (one of ``cpu_linear.LAYOUTS``):
+        ``"transposed"`` re-stores each weight column-major in place, ``"onednn"``
+        multiplies through packed copies, q/k/v and gate/up each as one matrix; None
+        through the row-major weights themselves (an aliased weight changes in place
+        unseen, so it must never be copied). The LM head stays on ``F.linear`` as stored:
+        packed, the embedded model's prompt log-probs drift past transformers' by 1.1e-4,
+        over the parity tests' 1e-4."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
+        onednn = layout == "onednn"
         for module in self.modules():
-            if isinstance(module, Linear):
-                alone = module is not self.lm_head and id(module) not in in_fused
-                module.packed = PackedWeight([module], layout) if alone and layout else None
+            if isinstance(module, Linear) and module is not self.lm_head:
+                cpu_linear.store_column_major(module.weight, layout == "transposed")
+                alone = id(module) not in in_fused
+                module.packed = PackedWeight([module]) if alone and onednn else None
         for group in fused:
-            group.packed = PackedWeight(group.layers, layout) if layout else None
+            group.packed = PackedWeight(group.layers) if onednn else None
         self.linear_layout = layout
 
     def fastest_linear_layout(self) -> str | None:
