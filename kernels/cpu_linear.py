@@ -7,7 +7,7 @@ in ``benchmarks/matmul_floor.py``):
 - ``"transposed"``: the weight itself stored column-major (``store_column_major``: still
   ``[out, in]``, the same parameter, its storage a contiguous ``[in, out]`` matrix), so
   ``F.linear`` multiplies by it with no transpose (BLAS's fast case on an AVX-512 Xeon:
-  1.0-1.07x F.linear's tokens per second on the grpo workload). No copy: an update written
+  ``benchmarks/cpu_layouts.py``). No copy: an update written
   into the parameter is what the next step multiplies by.
 - ``"onednn"``: oneDNN's blocked layout (what vLLM's CPU build and inductor's freezing use):
   a copy (``PackedWeight``: ``torch.ops.mkldnn._reorder_linear_weight`` once, then
@@ -65,13 +65,18 @@ def candidate_layouts(dtype: torch.dtype) -> list[str | None]:
     return [None, "transposed", *(["onednn"] if packs(dtype) else [])]
 
 
-def store_column_major(weight: nn.Parameter, column_major: bool) -> None:
+def column_major(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` ``[out, in]`` with its values stored ``[in, out]`` (itself if already)."""
+    return tensor.t().contiguous().t()
+
+
+def store_column_major(weight: nn.Parameter, as_column_major: bool) -> None:
     """Re-store ``weight`` ``[out, in]`` column-major (its storage ``[in, out]``, the
     ``"transposed"`` layout) or back row-major, in place of its data (values unchanged)."""
     data = weight.data
-    if column_major and not data.t().is_contiguous():
-        weight.data = data.t().contiguous().t()
-    elif not column_major and not data.is_contiguous():
+    if as_column_major and not data.t().is_contiguous():
+        weight.data = column_major(data)
+    elif not as_column_major and not data.is_contiguous():
         weight.data = data.contiguous()
 
 
@@ -188,7 +193,7 @@ def _pass_seconds(groups: Sequence[Sequence[nn.Linear]], layout: str | None, row
         calls = [PackedWeight(group) for group in groups]
         sizes = [group[0].in_features for group in groups]
     else:
-        weights = [(layer.weight.detach().t().contiguous().t() if layout else layer.weight,
+        weights = [(column_major(layer.weight.detach()) if layout else layer.weight,
                     layer.bias) for group in groups for layer in group]
         calls = [lambda x, w=w, b=b: F.linear(x, w, b) for w, b in weights]
         sizes = [w.shape[1] for w, _ in weights]

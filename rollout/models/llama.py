@@ -4,9 +4,9 @@ Parameters keep Hugging Face's names and shapes (separate q/k/v and gate/up proj
 a checkpoint loads name for name and a trainer's weights need no mapping. On CPU the
 weights may be stored column-major, or multiplied through oneDNN copies under which the
 projections that read the same input multiply as one matrix (``pack_linear_weights``,
-``FusedProjections``). Under tensor parallelism
-(``tp``) each rank builds its slice of every projection, of the same names, and adds the
-row-parallel partial sums with one all-reduce each (see ``tensor_parallel.py``).
+``FusedProjections``). Under tensor parallelism (``tp``) each rank builds its slice of every
+projection, of the same names, and adds the row-parallel partial sums with one all-reduce
+each (see ``tensor_parallel.py``).
 """
 
 from __future__ import annotations
