@@ -2,7 +2,8 @@
 
 ``select_kernels(backend, device)`` picks a backend; ``attention.py`` and ``layers.py`` hold
 the references, ``triton_attention.py`` and ``triton_layers.py`` the Triton versions (imported
-only when selected).
+only when selected), ``cpu_attention.py`` (with ``cpu_attention.c``) the compiled CPU decode
+attention.
 """
 
 from .attention import (
@@ -14,8 +15,8 @@ from .attention import (
                         pool_layout,
                         store_kv,
 )
-from .dispatch import BACKENDS, TORCH_OPS, KernelOps, check_backend, select_kernels
+from .dispatch import BACKENDS, CPU_OPS, TORCH_OPS, KernelOps, check_backend, select_kernels
 
-__all__ = ["BACKENDS", "TORCH_OPS", "AttentionMetadata", "BlockRuns", "CascadeLayout",
+__all__ = ["BACKENDS", "CPU_OPS", "TORCH_OPS", "AttentionMetadata", "BlockRuns", "CascadeLayout",
            "KernelOps", "block_runs", "check_backend", "paged_attention", "pool_layout",
            "select_kernels", "store_kv"]

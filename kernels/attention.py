@@ -132,15 +132,23 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_decodes:
         output[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache,
                                                  metadata, scale)
+    attend_prefills(query, k_cache, v_cache, metadata, scale, output)
+    return output
+
+
+def attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+    """Write the attention of the step's prefill chunks (the query tokens after the
+    decodes') into the same rows of ``output``, one sequence at a time."""
+    num_decodes = metadata.num_decodes
     if num_decodes == len(metadata.context_lens):
-        return output
+        return
     starts = metadata.cu_seqlens_q.tolist()
     context_lens = metadata.context_lens.tolist()
     for s in range(num_decodes, len(context_lens)):
         start, end = starts[s], starts[s + 1]
         output[start:end] = _prefill_attention(
             query[start:end], k_cache, v_cache, metadata.block_tables[s], context_lens[s], scale)
-    return output
 
 
 def pool_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

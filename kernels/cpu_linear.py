@@ -150,12 +150,13 @@ def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> 
 def _machine_key(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str:
     """A digest of what the timing depends on: the CPU, threads, torch, dtype and shapes."""
     shapes = [[list(layer.weight.shape) for layer in group] for group in groups]
-    parts = [_cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
+    parts = [cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
              str(dtype), shapes, CHOICE_RULES]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:

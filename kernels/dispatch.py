@@ -1,4 +1,5 @@
-"""Kernel backends: the Triton kernels on CUDA, the torch references on CPU.
+"""Kernel backends: the Triton kernels on CUDA; on CPU the torch references with decode
+attention in a compiled C kernel (``cpu_attention.py``), or the references alone.
 
 A model holds one ``KernelOps`` and calls every kernel through it, so one switch
 (``attention_backend``) moves the whole forward pass between backends. Forcing ``"triton"``
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, layers
+from . import attention, cpu_attention, layers
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,11 @@ TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,
                       paged_attention=attention.paged_attention, rms_norm=layers.rms_norm,
                       rotary_embedding=layers.rotary_embedding,
                       silu_and_mul=layers.silu_and_mul)
+# The references but for decode attention, which the compiled kernel reads from the pool in
+# place; it has no use for the cascade layout (a group's shared blocks stay in cache).
+CPU_OPS = KernelOps("cpu", cascade=False, store_kv=attention.store_kv,
+                    paged_attention=cpu_attention.paged_attention, rms_norm=layers.rms_norm,
+                    rotary_embedding=layers.rotary_embedding, silu_and_mul=layers.silu_and_mul)
 
 
 def check_backend(backend: str) -> None:
@@ -50,13 +56,18 @@ def check_backend(backend: str) -> None:
 
 
 def select_kernels(backend: str, device: torch.device) -> KernelOps:
-    """The kernels for ``backend`` on ``device``: ``"auto"`` is Triton on CUDA, else torch.
+    """The kernels for ``backend`` on ``device``: ``"auto"`` is Triton on CUDA, and on CPU
+    the compiled decode attention where it builds (``cpu_attention.available``), else torch.
 
     Raises:
-        ValueError: for an unknown backend, or ``"triton"`` on a CPU without the Triton
-            interpreter.
+        ValueError: for an unknown backend, ``"cpu"`` off the CPU or where its kernel does
+            not build, or ``"triton"`` on a CPU without the Triton interpreter.
     """
     check_backend(backend)
+    if backend == "auto" and device.type == "cpu":
+        backend = "cpu" if cpu_attention.available() else "torch"
+    if backend == "cpu":
+        return _cpu_ops(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TORCH_OPS
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -64,6 +75,16 @@ def select_kernels(backend: str, device: torch.device) -> KernelOps:
                          "interpreter: set TRITON_INTERPRET=1 before Triton is imported, or "
                          "use attention_backend='torch'.")
     return _triton_ops()
+
+
+def _cpu_ops(device: torch.device) -> KernelOps:
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device.type}: use "
+                         "'auto' or 'triton'.")
+    if not cpu_attention.available():
+        raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel "
+                         "(set $CC or install gcc), or use attention_backend='torch'.")
+    return CPU_OPS
 
 
 def _triton_ops() -> KernelOps:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_attention
 from .dispatch import KernelOps, select_kernels
 
 # The largest relative error a kernel may have, by the dtype of its inputs, against a
@@ -30,9 +31,13 @@ def relative_error(out: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def kernel_backends(device: torch.device) -> dict[str, KernelOps]:
-    """Every backend's kernels on ``device``, by name (``"torch"``, ``"triton"``).
+    """Every backend's kernels on ``device``, by name (``"torch"``, ``"triton"``, and on a
+    CPU whose compiler builds it ``"cpu"``).
 
     Raises:
         ValueError: on a CPU without the Triton interpreter (see ``select_kernels``).
     """
-    return {name: select_kernels(name, device) for name in ("torch", "triton")}
+    names = ["torch", "triton"]
+    if device.type == "cpu" and cpu_attention.available():
+        names.append("cpu")
+    return {name: select_kernels(name, device) for name in names}

@@ -49,9 +49,10 @@ class EngineConfig:
     seed: int = field(default=0, metadata={"help": (
         "seed of the generator for requests without their own seed.")})
     attention_backend: str = field(default="auto", metadata={"help": (
-        "the kernels: ``\"auto\"`` (Triton on CUDA, torch on CPU), ``\"triton\"`` (on CPU "
-        "only under the Triton interpreter, ``TRITON_INTERPRET=1``) or ``\"torch\"`` (the "
-        "plain-torch references).")})
+        "the kernels: ``\"auto\"`` (Triton on CUDA; on CPU ``\"cpu\"`` where a C compiler "
+        "builds its kernel, else torch), ``\"triton\"`` (on CPU only under the Triton "
+        "interpreter, ``TRITON_INTERPRET=1``), ``\"cpu\"`` (the torch references with decode "
+        "attention compiled in C) or ``\"torch\"`` (the plain-torch references).")})
     enforce_eager: bool = field(default=False, metadata={"help": (
         "never capture CUDA graphs (they are captured on CUDA with the Triton kernels "
         "otherwise).")})

@@ -76,7 +76,7 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype, device, max_model_len, self.ops, self.tp)
         load_weights(self.model, model_dir)
         self.model.eval()
-        if device.type == "cpu" and self.ops.name == "torch":
+        if device.type == "cpu" and self.ops.name != "triton":
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
