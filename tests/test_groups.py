@@ -105,8 +105,8 @@ def test_n_above_max_num_seqs_is_refused(llama_dir):
 def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeypatch):
     """The scheduler hands the runner each request's decodes and the prompt blocks they
     share (the fork's full blocks, the same physical blocks), and generation is the same
-    as each request alone."""
-    engine = LLMEngine(EngineConfig(model=str(llama_dir)))
+    as each request alone. The torch backend's cascade is what asks for the groups."""
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="torch"))
     execute = engine.runner.execute
     seen = []
 
@@ -130,7 +130,7 @@ def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeyp
     assert ids == ["group"] * 4 and num_shared == 40 // 16 and alone_ids == ["alone"]
     assert all(table == tables[0] for table in tables) and alone_shared == 0
     assert engine.stats()["kv_blocks_used"] == 0
-    llm = LLM(str(llama_dir))
+    llm = LLM(str(llama_dir), attention_backend="torch")
     for request_id, prompt, params in (("group", prompt_of(40), group),
                                        ("alone", prompt_of(40, 1), alone)):
         reference = llm.generate([prompt], params, use_tqdm=False)[0]
