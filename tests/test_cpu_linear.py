@@ -155,6 +155,25 @@ def test_engine_lays_out_its_weights_and_an_update_reaches_them(llama_dir, tmp_p
     assert after == fresh_completions(trainer, llama_dir, tmp_path)
 
 
+@pytest.mark.skipif(not cpu_linear.packs(torch.bfloat16),
+                    reason="this CPU's oneDNN does not pack bfloat16 (no AVX-512)")
+def test_bfloat16_packs_the_lm_head_and_an_update_refreshes_it(llama_dir):
+    llm = LLM(str(llama_dir), dtype="bfloat16")
+    model = llm.engine.runner.model
+    model.pack_linear_weights("onednn")
+    head = model.lm_head
+    hidden = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(2))
+    hidden = hidden.to(torch.bfloat16)
+    assert head.packed is not None
+    before = head(hidden).double()
+    trainer = trainer_model(llama_dir, seed=5)
+    llm.update_weights(trainer.state_dict().items())
+    expected = F.linear(hidden.double(), trainer.lm_head.weight.detach().double())
+    scale = expected.abs().max()
+    assert (head(hidden).double() - expected).abs().max() < 0.02 * scale
+    assert (before - expected).abs().max() > 0.2 * scale  # the old weights would be caught
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir, layout):
     llm, reference = LLM(str(llama_dir)), LLM(str(llama_dir))
