@@ -77,8 +77,9 @@ def main() -> None:
     for workload in WORKLOADS:
         reference, ours = (statistics.median(results[name, workload]) for name in BACKENDS)
         per_token = workload == "batch 1"
+        speed_up = reference / ours if per_token else ours / reference
         rows.append((workload, "ms/token" if per_token else "tok/s", f"{reference:.1f}",
-                     f"{ours:.1f}", f"{(reference / ours if per_token else ours / reference):.2f}x"))
+                     f"{ours:.1f}", f"{speed_up:.2f}x"))
     print_table(rows)
 
 
