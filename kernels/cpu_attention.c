@@ -12,8 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_HEAD_DIM 256
-#define MAX_GROUP 32
+/* The limits, defined once in cpu_attention.py and passed as -D flags. */
+#ifndef MAX_HEAD_DIM
+#error "build with -DMAX_HEAD_DIM=... (cpu_attention.py does)"
+#endif
+#ifndef MAX_GROUP
+#error "build with -DMAX_GROUP=... (cpu_attention.py does)"
+#endif
 
 struct decode_args {
     const void *query;        /* [num_seqs, num_heads, head_dim], strides below */
@@ -131,7 +136,8 @@ static void attend(const struct decode_args *a, int64_t seq, int64_t kv_head, fl
     const int64_t context_len = a->context_lens[seq];
     float queries[MAX_GROUP][MAX_HEAD_DIM], sums[MAX_GROUP][MAX_HEAD_DIM];
     float scratch[MAX_HEAD_DIM];
-    memset(sums, 0, sizeof sums);
+    for (int64_t g = 0; g < group; g++) /* only the rows used: the arrays are 32 KiB each */
+        memset(sums[g], 0, head_dim * sizeof(float));
     if (context_len <= 0) { /* nothing to attend: zeros, as the Triton kernel writes */
         store_outputs(a, seq, kv_head, group, sums);
         return;
@@ -155,10 +161,6 @@ static void attend(const struct decode_args *a, int64_t seq, int64_t kv_head, fl
     }
     store_outputs(a, seq, kv_head, group, sums);
 }
-
-/* The supported limits, so the caller can refuse what this kernel cannot take. */
-int64_t tandem_max_head_dim(void) { return MAX_HEAD_DIM; }
-int64_t tandem_max_group(void) { return MAX_GROUP; }
 
 /* Attend every (sequence, KV head) of `num_seqs` decodes, over `num_threads` threads.
  * Returns 0, or -1 when its scratch memory could not be allocated (no output written then

@@ -33,7 +33,9 @@ from .cpu_linear import cpu_name
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the kernel's stack arrays; larger shapes take the reference
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
+         f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}", f"-DMAX_GROUP={MAX_GROUP}")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -88,8 +90,6 @@ def _library() -> ctypes.CDLL | None:
     library.tandem_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int64,
                                                 ctypes.c_int32]
     library.tandem_decode_attention.restype = ctypes.c_int32
-    for limit in ("tandem_max_head_dim", "tandem_max_group"):
-        getattr(library, limit).restype = ctypes.c_int64
     return library
 
 
@@ -101,12 +101,11 @@ def available() -> bool:
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the compiled kernel takes this query and pool (dtype, head size, GQA
     group size, contiguous head rows); the reference serves the rest."""
-    library = _library()
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    return (library is not None and query.dtype in DTYPES and k_cache.dtype == query.dtype
-            and head_dim <= library.tandem_max_head_dim() and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= library.tandem_max_group()
+    return (available() and query.dtype in DTYPES and k_cache.dtype == query.dtype
+            and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP
             and query.stride(2) == 1 and k_cache.stride(3) == 1)
 
 

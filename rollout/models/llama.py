@@ -296,8 +296,8 @@ class LlamaForCausalLM(nn.Module):
         unseen, so it must never be copied). The LM head is packed in half precision only:
         in float32 it stays on ``F.linear`` as stored, so that its logits equal
         transformers' bit for bit given the same hidden rows (packed, the embedded model's
-        prompt log-probs moved 5e-5 to 1.1e-4 from transformers' across machines, against
-        the parity tests' 1e-4); in bfloat16 packed is 1.6-2.5x faster."""
+        prompt log-probs moved 1.1e-4 from transformers' on an AVX2 machine, over the parity
+        tests' 1e-4); bfloat16 has no such test, and there packed is faster."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
         onednn = layout == "onednn"
