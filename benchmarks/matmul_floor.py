@@ -92,9 +92,12 @@ class MatmulFloor:
     seconds: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     @classmethod
-    def measure(cls, model: torch.nn.Module, sweep: tuple[int, ...] = SWEEP) -> MatmulFloor:
-        """Time every kernel on every role of ``model`` at every row count of ``sweep``."""
-        floor = cls(shape_groups(model), tuple(sorted(sweep)))
+    def measure(cls, model: torch.nn.Module, sweep: tuple[int, ...] = SWEEP,
+                role: str | None = None) -> MatmulFloor:
+        """Time every kernel on every role of ``model`` (or on ``role`` alone) at every row
+        count of ``sweep``."""
+        groups = shape_groups(model)
+        floor = cls({role: groups[role]} if role else groups, tuple(sorted(sweep)))
         dtype = next(iter(floor.groups.values()))[0].dtype
         with torch.inference_mode():
             for kernel, prepare in kernels(dtype).items():
@@ -137,20 +140,22 @@ class MatmulFloor:
         """The floor of a run: the sum over its ``(rows, LM-head rows)`` steps."""
         return sum(self.step_seconds(rows, head_rows) for rows, head_rows in steps)
 
-    def flops(self, rows: int) -> float:
-        """The floating-point operations of ``rows`` rows through every linear layer."""
-        return sum(2 * rows * w.numel() for weights in self.groups.values() for w in weights)
+    def flops(self, rows: int, roles: list[str]) -> float:
+        """The floating-point operations of ``rows`` rows through the layers of ``roles``."""
+        return sum(2 * rows * w.numel() for role in roles for w in self.groups[role])
 
-    def table(self) -> list[tuple[str, ...]]:
-        """Whole-model GFLOP/s per row count: each kernel, then the fastest (the floor)."""
-        names = self.kernel_names()
+    def table(self, role: str | None = None) -> list[tuple[str, ...]]:
+        """GFLOP/s per row count over the whole model (or over ``role``'s layers alone):
+        each kernel, then the fastest per role (the floor)."""
+        names, roles = self.kernel_names(), [role] if role else list(self.groups)
         rows_out = [("rows", *names, "floor", "fastest")]
         for rows in self.sweep:
-            per_kernel = [sum(self.seconds[k, role, rows] for role in self.groups) for k in names]
-            floor = self.step_seconds(rows, rows)
+            per_kernel = [sum(self.seconds[k, r, rows] for r in roles) for k in names]
+            floor = sum(self.fastest(r, rows) for r in roles)
             best = names[per_kernel.index(min(per_kernel))]
-            rows_out.append((str(rows), *(f"{self.flops(rows) / s / 1e9:.1f}" for s in per_kernel),
-                             f"{self.flops(rows) / floor / 1e9:.1f}", best))
+            flops = self.flops(rows, roles)
+            rows_out.append((str(rows), *(f"{flops / s / 1e9:.1f}" for s in per_kernel),
+                             f"{flops / floor / 1e9:.1f}", best))
         return rows_out
 
 
@@ -170,6 +175,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--rows", type=int, nargs="+", default=list(SWEEP))
+    parser.add_argument("--role", choices=[name for _, name in PROJECTIONS] + ["lm_head"],
+                        help="time this layer role alone (default: every linear layer)")
     return parser.parse_args()
 
 
@@ -177,11 +184,13 @@ def main() -> None:
     """Measure the sweep on the embedded model and print whole-model GFLOP/s per kernel."""
     args = parse_args()
     setup_torch()
-    floor = MatmulFloor.measure(load_hf_model(model_folder(), args.dtype), tuple(args.rows))
+    model = load_hf_model(model_folder(), args.dtype)
+    floor = MatmulFloor.measure(model, tuple(args.rows), args.role)
+    layers = args.role or "q/k/v/o/gate/up/down and the LM head"
     print(f"matmul floor: embedded SmolLM2-135M-Instruct linear layers, {args.dtype}, "
-          f"threads={torch.get_num_threads()}; GFLOP/s over q/k/v/o/gate/up/down and the LM head "
+          f"threads={torch.get_num_threads()}; GFLOP/s over {layers} "
           "(floor: the fastest kernel per layer role)")
-    print_table(floor.table())
+    print_table(floor.table(args.role))
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):
     llm = LLM(str(llama_dir))
     model = llm.engine.runner.model
     assert model.linear_layout in cpu_linear.candidate_layouts(torch.float32)
-    assert len(packed_weights(llm)) == (4 * model.config.num_hidden_layers
+    assert len(packed_weights(llm)) == (4 * model.config.num_hidden_layers + 1  # + LM head
                                         if model.linear_layout == "onednn" else 0)
 
 
@@ -136,12 +136,13 @@ def test_engine_lays_out_its_weights_and_an_update_reaches_them(llama_dir, tmp_p
     model = llm.engine.runner.model
     model.pack_linear_weights(layout)
     before = completions(llm)
-    assert model.lm_head.packed is None and model.lm_head.weight.is_contiguous()  # parity
-    packed = packed_weights(llm)  # per layer: q/k/v as one, o, gate/up as one, down
+    assert model.lm_head.weight.is_contiguous()  # tied to the embedding: never re-stored
+    assert (model.lm_head.packed is not None) == (layout == "onednn")
+    packed = packed_weights(llm)  # per layer: q/k/v as one, o, gate/up as one, down; the head
     projections = [m.weight for m in model.modules()
                    if isinstance(m, nn.Linear) and m is not model.lm_head]
     if layout == "onednn":
-        assert len(packed) == 4 * model.config.num_hidden_layers
+        assert len(packed) == 4 * model.config.num_hidden_layers + 1
         assert {len(p.layers) for p in packed} == {1, 2, 3}
         assert all(p.key is not None for p in packed)
     else:  # the parameters themselves, column-major: nothing to rebuild
@@ -155,15 +156,16 @@ def test_engine_lays_out_its_weights_and_an_update_reaches_them(llama_dir, tmp_p
     assert after == fresh_completions(trainer, llama_dir, tmp_path)
 
 
-@pytest.mark.skipif(not cpu_linear.packs(torch.bfloat16),
-                    reason="this CPU's oneDNN does not pack bfloat16 (no AVX-512)")
-def test_bfloat16_packs_the_lm_head_and_an_update_refreshes_it(llama_dir):
-    llm = LLM(str(llama_dir), dtype="bfloat16")
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(not cpu_linear.packs(torch.bfloat16),
+                                             reason="this CPU's oneDNN does not pack bfloat16"))])
+def test_the_packed_lm_head_is_refreshed_by_an_update(llama_dir, dtype):
+    llm = LLM(str(llama_dir), dtype=dtype)
     model = llm.engine.runner.model
     model.pack_linear_weights("onednn")
     head = model.lm_head
     hidden = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(2))
-    hidden = hidden.to(torch.bfloat16)
+    hidden = hidden.to(dtype)
     assert head.packed is not None
     before = head(hidden).double()
     trainer = trainer_model(llama_dir, seed=5)

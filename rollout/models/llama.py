@@ -293,23 +293,20 @@ class LlamaForCausalLM(nn.Module):
         ``"transposed"`` re-stores each weight column-major in place, ``"onednn"``
         multiplies through packed copies, q/k/v and gate/up each as one matrix; None
         through the row-major weights themselves (an aliased weight changes in place
-        unseen, so it must never be copied). The LM head is packed in half precision only:
-        in float32 it stays on ``F.linear`` as stored, so that its logits equal
-        transformers' bit for bit given the same hidden rows (packed, the embedded model's
-        prompt log-probs moved 1.1e-4 from transformers' on an AVX2 machine, over the parity
-        tests' 1e-4); bfloat16 has no such test, and there packed is faster."""
+        unseen, so it must never be copied). The LM head is packed with the projections:
+        ``F.linear``'s own last bits change with the row count (MKL blocks each shape its
+        own way), so it kept no bit-for-bit parity with transformers' batch shapes, and
+        packed it is about 2-3x faster at decode row counts (``benchmarks/matmul_floor.py
+        --role lm_head``)."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
         onednn = layout == "onednn"
-        half_head = self.lm_head.weight.dtype != torch.float32
         for module in self.modules():
             if not isinstance(module, Linear):
                 continue
             alone = id(module) not in in_fused
-            if module is self.lm_head:
-                module.packed = PackedWeight([module]) if onednn and half_head else None
-                continue
-            cpu_linear.store_column_major(module.weight, layout == "transposed")
+            if module is not self.lm_head:  # tied to the embedding: never re-stored
+                cpu_linear.store_column_major(module.weight, layout == "transposed")
             module.packed = PackedWeight([module]) if alone and onednn else None
         for group in fused:
             group.packed = PackedWeight(group.layers) if onednn else None
