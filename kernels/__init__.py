@@ -2,8 +2,8 @@
 
 ``select_kernels(backend, device)`` picks a backend; ``attention.py`` and ``layers.py`` hold
 the references, ``triton_attention.py`` and ``triton_layers.py`` the Triton versions (imported
-only when selected), ``cpu_attention.py`` (with ``cpu_attention.c``) the compiled CPU decode
-attention.
+only when selected), ``cpu_attention.py`` and ``cpu_layers.py`` (with their C sources, built
+by ``cpu_build.py``) the compiled CPU decode attention and layer operations.
 """
 
 from .attention import (

@@ -1,7 +1,7 @@
 /* Paged decode attention on CPU: one query token per sequence, keys and values read in place
  * from the block pool (no gathered copy, no upcast copy), softmax in float32.
  *
- * Built and loaded by cpu_attention.py (gcc -O3 -march=native -ffast-math -fopenmp). Its
+ * Built and loaded by cpu_build.py (gcc -O3 -march=native -ffast-math -fopenmp). Its
  * OpenMP runtime is the one torch already loaded (same soname), so the threads are torch's.
  * A task is one (sequence, KV head): its query heads' scores against every context token,
  * then the softmax-weighted sum of the values. Element strides throughout; a row's head_dim
@@ -12,12 +12,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The limits, defined once in cpu_attention.py and passed as -D flags. */
+#include "cpu_bf16.h"
+
+/* The limits, defined once in cpu_build.py and passed as -D flags. */
 #ifndef MAX_HEAD_DIM
-#error "build with -DMAX_HEAD_DIM=... (cpu_attention.py does)"
+#error "build with -DMAX_HEAD_DIM=... (cpu_build.py does)"
 #endif
 #ifndef MAX_GROUP
-#error "build with -DMAX_GROUP=... (cpu_attention.py does)"
+#error "build with -DMAX_GROUP=... (cpu_build.py does)"
 #endif
 
 struct decode_args {
@@ -35,23 +37,6 @@ struct decode_args {
     float scale;
     int32_t bf16;
 };
-
-static inline float bf16_to_float(uint16_t bits) {
-    uint32_t wide = (uint32_t)bits << 16;
-    float value;
-    memcpy(&value, &wide, sizeof value);
-    return value;
-}
-
-static inline uint16_t float_to_bf16(float value) {
-    /* Round to nearest even, as torch's conversion does. */
-    uint32_t bits;
-    memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u)
-        return 0x7fc0;
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* Row `index` (an element offset) of `base` as float32: the row itself for a float32 pool,
  * else converted into `scratch`. */

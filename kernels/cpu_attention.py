@@ -4,38 +4,20 @@ The torch reference (``attention.py``) gathers every decode's keys and values ou
 pool into a contiguous copy, upcasts a half-precision copy to float32, and multiplies it in
 batched matmuls of a few rows each. The C kernel reads each key and value row once, in
 place, converting bfloat16 as it loads, with the softmax in float32: the same arithmetic
-without the copies. Prefill chunks stay with the reference (SDPA's flash kernel).
-
-The kernel is compiled on first use with the system's C compiler (``$CC``, else ``gcc`` or
-``cc``) for this machine (``-march=native``) into the Tandem cache (``$TANDEM_CACHE``, else
-``~/.cache/tandem``), keyed by the source, the flags and the CPU, and loaded with ``ctypes``.
-``available()`` is False where that fails (no compiler): the engine then takes the torch
-reference, which gives the same results.
+without the copies. Prefill chunks stay with the reference (SDPA's flash kernel). Built and
+loaded by ``cpu_build.py``; where it does not build, the engine takes the reference.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import torch
 
-from . import attention
+from . import attention, cpu_build
 from .attention import AttentionMetadata, attend_prefills
-from .cpu_linear import cpu_name
+from .cpu_build import MAX_GROUP, MAX_HEAD_DIM
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("cpu_attention.c")
-MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the kernel's stack arrays; larger shapes take the reference
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-         f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}", f"-DMAX_GROUP={MAX_GROUP}")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -51,59 +33,12 @@ class _DecodeArgs(ctypes.Structure):
             "cache_stride_head")] + [("scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
-def _build(compiler: str) -> Path:
-    """The kernel's shared library, compiled unless this source, flags and CPU have one."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(),
-                                      compiler.encode(), cpu_name().encode()])).hexdigest()
-    library = _cache_dir() / "kernels" / f"cpu_attention-{key[:24]}.so"
-    if not library.exists():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        staged = library.with_name(f"{library.name}.{os.getpid()}.tmp")
-        subprocess.run([compiler, *FLAGS, "-o", str(staged), str(SOURCE), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        staged.replace(library)  # atomic: concurrent engines never load a partial file
-    return library
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("No C compiler ($CC, gcc, cc): CPU decode attention takes the torch "
-                       "reference (slower); install gcc for the compiled kernel.")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as error:
-        detail = getattr(error, "stderr", None) or error
-        logger.warning("Compiling the CPU attention kernel failed (%s): CPU decode attention "
-                       "takes the torch reference (slower).", detail)
-        return None
-    library.tandem_decode_attention.argtypes = [ctypes.POINTER(_DecodeArgs), ctypes.c_int64,
-                                                ctypes.c_int32]
-    library.tandem_decode_attention.restype = ctypes.c_int32
-    return library
-
-
-def available() -> bool:
-    """True when the compiled kernel builds and loads on this machine."""
-    return _library() is not None
-
-
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """True when the compiled kernel takes this query and pool (dtype, head size, GQA
     group size, contiguous head rows); the reference serves the rest."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    return (available() and query.dtype in DTYPES and k_cache.dtype == query.dtype
+    return (cpu_build.available() and query.dtype in DTYPES and k_cache.dtype == query.dtype
             and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
             and num_heads // num_kv_heads <= MAX_GROUP
             and query.stride(2) == 1 and k_cache.stride(3) == 1)
@@ -142,7 +77,9 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), scale,
         DTYPES[query.dtype])
-    status = _library().tandem_decode_attention(ctypes.byref(args), num_decodes,
-                                                torch.get_num_threads())
+    decode = cpu_build.kernel("tandem_decode_attention",
+                              (ctypes.POINTER(_DecodeArgs), ctypes.c_int64, ctypes.c_int32),
+                              ctypes.c_int32)
+    status = decode(ctypes.byref(args), num_decodes, torch.get_num_threads())
     if status != 0:
         raise MemoryError("the CPU attention kernel could not allocate its scratch rows")

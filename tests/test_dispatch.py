@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import CPU_OPS, TORCH_OPS, cpu_attention, select_kernels
+from tandem.kernels import CPU_OPS, TORCH_OPS, cpu_build, select_kernels
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.config import EngineConfig
 
@@ -16,7 +16,7 @@ SHARED = list(range(40, 75))  # two full blocks and more: a prefix-cache hit for
 
 
 def test_auto_is_the_compiled_kernel_on_cpu_and_forced_backends_are_honoured():
-    assert cpu_attention.available()  # the machines that run these tests have gcc
+    assert cpu_build.available()  # the machines that run these tests have gcc
     assert select_kernels("auto", torch.device("cpu")) is CPU_OPS
     assert select_kernels("torch", torch.device("cpu")) is TORCH_OPS
     assert select_kernels("torch", torch.device("cuda")) is TORCH_OPS
@@ -24,7 +24,7 @@ def test_auto_is_the_compiled_kernel_on_cpu_and_forced_backends_are_honoured():
 
 
 def test_auto_is_torch_on_cpu_without_a_compiler(monkeypatch):
-    monkeypatch.setattr(cpu_attention, "available", lambda: False)
+    monkeypatch.setattr(cpu_build, "available", lambda: False)
     assert select_kernels("auto", torch.device("cpu")) is TORCH_OPS
     with pytest.raises(ValueError, match="C compiler.*attention_backend='torch'"):
         select_kernels("cpu", torch.device("cpu"))

@@ -19,9 +19,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
+from tandem.kernels.cpu_build import cache_dir
 from tandem.kernels.cpu_linear import PackedWeight
 
-from ..default_model import cache_dir
 from ..tensor_parallel import TensorParallel, local_heads, shard_range, vocab_per_rank
 from .rotary import RotaryEmbedding
 

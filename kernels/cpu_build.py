@@ -1,0 +1,89 @@
+"""Builds Tandem's C kernels for the CPU (``cpu_attention.c``, ``cpu_layers.c``) into one
+shared library and loads it with ``ctypes``.
+
+The sources are plain C with no torch headers, so they compile in about a second, on first
+use, with the system's C compiler (``$CC``, else ``gcc`` or ``cc``) for this machine
+(``-march=native``). The library is cached in the Tandem cache folder (``cache_dir``), keyed
+by the sources, the flags, the compiler and the CPU. Its OpenMP runtime is the one torch
+already loaded (same soname), so the kernels run on torch's threads. ``library()`` is None
+where the build fails (no compiler): the engine then takes the torch references, which give
+the same results.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from .cpu_linear import cpu_name
+
+logger = logging.getLogger(__name__)
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
+HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
+# The attention kernel's stack arrays; larger shapes take the reference.
+MAX_HEAD_DIM, MAX_GROUP = 256, 32
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
+         f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}", f"-DMAX_GROUP={MAX_GROUP}")
+
+
+def cache_dir() -> Path:
+    """Tandem's cache folder (converted models, kernels, timings): ``$TANDEM_CACHE`` or
+    ``~/.cache/tandem``."""
+    return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _build(compiler: str) -> Path:
+    """The shared library, compiled unless these sources, headers, flags and CPU have one."""
+    parts = [path.read_bytes() for path in SOURCES + HEADERS]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), compiler.encode(),
+                                      cpu_name().encode()])).hexdigest()
+    library = cache_dir() / "kernels" / f"tandem_cpu-{key[:24]}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        staged = library.with_name(f"{library.name}.{os.getpid()}.tmp")
+        subprocess.run([compiler, *FLAGS, "-o", str(staged), *map(str, SOURCES), "-lm"],
+                       check=True, capture_output=True, text=True, timeout=120)
+        staged.replace(library)  # atomic: concurrent engines never load a partial file
+    return library
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (with a warning) where it does not build."""
+    compiler = _compiler()
+    if compiler is None:
+        logger.warning("No C compiler ($CC, gcc, cc): the CPU kernels take the torch "
+                       "references (slower); install gcc for the compiled kernels.")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", None) or error
+        logger.warning("Compiling the CPU kernels failed (%s): they take the torch "
+                       "references (slower).", detail)
+        return None
+
+
+def available() -> bool:
+    """True when the compiled kernels build and load on this machine."""
+    return library() is not None
+
+
+@functools.cache
+def kernel(name: str, argtypes: tuple, restype: type | None = None):
+    """The library's function ``name`` with its ctypes signature (the library must be
+    ``available``)."""
+    function = getattr(library(), name)
+    function.argtypes, function.restype = argtypes, restype
+    return function
