@@ -117,6 +117,18 @@ static inline void rotate_row(void *row, const float *cos, const float *sin, int
     }
 }
 
+/* Rotate `num_heads` head rows of one token, `stride_head` elements apart. */
+static void rotate_heads(char *token, int64_t num_heads, int64_t stride_head, const float *cos,
+                         const float *sin, int64_t half, int32_t bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t h = 0; h < num_heads; h++) {
+        if (bf16)
+            rotate_row(token + h * stride_head * size, cos, sin, half, 1);
+        else
+            rotate_row(token + h * stride_head * size, cos, sin, half, 0);
+    }
+}
+
 struct rotary_args {
     const int64_t *positions;    /* [num_tokens] */
     void *query, *key;           /* [num_tokens, heads, head_dim] by strides */
@@ -135,20 +147,10 @@ void tandem_rotary_embedding(const struct rotary_args *a, int32_t num_threads) {
     for (int64_t t = 0; t < a->num_tokens; t++) {
         const float *cos = a->cos_cache + a->positions[t] * a->cache_stride;
         const float *sin = a->sin_cache + a->positions[t] * a->cache_stride;
-        for (int64_t h = 0; h < a->num_query_heads; h++) {
-            char *row = (char *)a->query + (t * a->query_stride_token + h * a->query_stride_head) * size;
-            if (a->bf16)
-                rotate_row(row, cos, sin, half, 1);
-            else
-                rotate_row(row, cos, sin, half, 0);
-        }
-        for (int64_t h = 0; h < a->num_key_heads; h++) {
-            char *row = (char *)a->key + (t * a->key_stride_token + h * a->key_stride_head) * size;
-            if (a->bf16)
-                rotate_row(row, cos, sin, half, 1);
-            else
-                rotate_row(row, cos, sin, half, 0);
-        }
+        rotate_heads((char *)a->query + t * a->query_stride_token * size, a->num_query_heads,
+                     a->query_stride_head, cos, sin, half, a->bf16);
+        rotate_heads((char *)a->key + t * a->key_stride_token * size, a->num_key_heads,
+                     a->key_stride_head, cos, sin, half, a->bf16);
     }
 }
 
