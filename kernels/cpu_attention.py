@@ -16,9 +16,7 @@ import torch
 
 from . import attention, cpu_build
 from .attention import AttentionMetadata, attend_prefills
-from .cpu_build import MAX_GROUP, MAX_HEAD_DIM
-
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+from .cpu_build import DTYPES, MAX_GROUP, MAX_HEAD_DIM
 
 
 class _DecodeArgs(ctypes.Structure):

@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import torch
+
 from .cpu_linear import cpu_name
 
 logger = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 # The attention kernel's stack arrays; larger shapes take the reference.
 MAX_HEAD_DIM, MAX_GROUP = 256, 32
+# The dtypes the kernels take, as their `bf16` flag.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
          f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}", f"-DMAX_GROUP={MAX_GROUP}")
 

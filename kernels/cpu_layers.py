@@ -15,8 +15,8 @@ import ctypes
 import torch
 
 from . import attention, cpu_build, layers
+from .cpu_build import DTYPES
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
 

@@ -50,9 +50,10 @@ class EngineConfig:
         "seed of the generator for requests without their own seed.")})
     attention_backend: str = field(default="auto", metadata={"help": (
         "the kernels: ``\"auto\"`` (Triton on CUDA; on CPU ``\"cpu\"`` where a C compiler "
-        "builds its kernel, else torch), ``\"triton\"`` (on CPU only under the Triton "
-        "interpreter, ``TRITON_INTERPRET=1``), ``\"cpu\"`` (the torch references with decode "
-        "attention compiled in C) or ``\"torch\"`` (the plain-torch references).")})
+        "builds its kernels, else torch), ``\"triton\"`` (on CPU only under the Triton "
+        "interpreter, ``TRITON_INTERPRET=1``), ``\"cpu\"`` (decode attention and the layer "
+        "operations compiled in C, torch for the rest) or ``\"torch\"`` (the plain-torch "
+        "references).")})
     enforce_eager: bool = field(default=False, metadata={"help": (
         "never capture CUDA graphs (they are captured on CUDA with the Triton kernels "
         "otherwise).")})
