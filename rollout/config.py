@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step."})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
         "most tokens computed in one step (the chunked-prefill budget). Default, as vLLM's: "
-        "8192 on GPU; on CPU 4096, and 2048 under ``tandem serve``, where a long prompt's "
+        "8192 on GPU; on CPU 4096, and 1024 under ``tandem serve``, where a long prompt's "
         "prefill would otherwise hold back the running streams and other first tokens.")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest sequence (prompt plus completion); default the model's.")})

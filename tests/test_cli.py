@@ -44,10 +44,10 @@ def test_train_refuses_an_unknown_field(capsys):
     assert "unknown field(s) stepz" in capsys.readouterr().err
 
 
-def test_serve_chunks_prefill_by_2048_tokens_on_cpu_unless_told():
+def test_serve_chunks_prefill_by_1024_tokens_on_cpu_unless_told():
     parser = build_parser()
     default = engine_config(parser.parse_args(["serve", "m", "--device", "cpu"]))
-    assert default.max_num_batched_tokens == 2048
+    assert default.max_num_batched_tokens == 1024
     assert EngineConfig(model="m", device="cpu").max_num_batched_tokens == 4096
     told = parser.parse_args(["serve", "m", "--device", "cpu", "--max-num-batched-tokens", "512"])
     assert engine_config(told).max_num_batched_tokens == 512

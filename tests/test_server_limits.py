@@ -111,6 +111,42 @@ def test_past_max_num_waiting_new_requests_get_503_and_accepted_ones_all_finish(
         assert completion(url, max_tokens=2).status_code == 200
 
 
+def test_a_request_arriving_during_a_step_joins_the_very_next_step(llama_dir, monkeypatch):
+    """Its prompt is tokenized while the step runs, not after it, so its add is queued
+    before the next step rather than behind it."""
+    with running_uvicorn(llama_dir) as (url, engine, server, _):
+        admission = server.config.app.state.server.async_engine.admission
+        request_ids = recorded_request_ids(engine, monkeypatch)
+        gate, gated, holding = threading.Event(), threading.Event(), threading.Event()
+        scheduled: list[set[str]] = []  # the running requests after each step
+        step = engine.step
+
+        def gated_step():
+            if holding.is_set():
+                holding.clear()
+                gated.set()
+                gate.wait(30)
+            outputs = step()
+            scheduled.append({seq.request_id for seq in engine.scheduler.running})
+            return outputs
+
+        monkeypatch.setattr(engine, "step", gated_step)
+        running = in_thread(lambda: completion(url, **LONG))
+        try:
+            wait_for(lambda: request_ids and engine.num_output_tokens(request_ids[0]))
+            holding.set()
+            wait_for(gated.is_set)
+            arriving = in_thread(lambda: completion(url, prompt=PROMPTS[1], max_tokens=3))
+            wait_for(lambda: admission.num_queued == 1, seconds=10)  # tokenized, being added
+            time.sleep(0.2)
+            gated_index = len(scheduled)
+        finally:
+            gate.set()
+        assert arriving().status_code == 200
+        assert request_ids[1] in scheduled[gated_index + 1]
+        running()
+
+
 def test_max_num_waiting_defaults_to_16_times_max_num_seqs(llama_dir):
     with running_uvicorn(llama_dir, ENGINE_OPTIONS | {"max_num_seqs": 4}) as (_, _, server, _):
         assert server.config.app.state.server.async_engine.admission.max_num_waiting == 64

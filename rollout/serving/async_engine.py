@@ -2,10 +2,12 @@
 
 Requests arrive concurrently on the event loop. One engine thread runs every engine call
 (add, abort, step, sleep, ...) in order, so the event loop never blocks on a step and the
-engine never has two callers at once. A request added while a step runs joins the batch at
-the next step; an aborted one (its client went away) leaves right after the current step,
-and its blocks go back to the pool. Weight commits come from another thread (the weight
-receiver) and land between steps through the engine's lock.
+engine never has two callers at once. Prompts are tokenized on a second thread, the input
+thread, so a request that arrives while a step runs is queued before the next step rather
+than behind it, and joins the batch at the next step; an aborted one (its client went away)
+leaves right after the current step, and its blocks go back to the pool. Weight commits
+come from another thread (the weight receiver) and land between steps through the engine's
+lock.
 
 Admission is bounded (admission.py): past ``max_num_waiting`` requests accepted but not yet
 running, or once ``drain`` has begun, a new request is refused and nothing accepted is ever
@@ -76,6 +78,8 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self.admission = Admission(max_num_waiting)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self._input_executor = ThreadPoolExecutor(max_workers=1,
+                                                  thread_name_prefix="tandem-input")
         self._tracked: dict[str, TrackedRequest] = {}
         self._request_ids = itertools.count()
         self._frozen = False  # /pause?mode=keep: requests stay, steps stop
@@ -97,10 +101,24 @@ class AsyncLLMEngine:
         for request_id in list(self._tracked):
             self.abort(request_id)
         self._executor.shutdown(wait=True)
+        self._input_executor.shutdown(wait=True)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the engine thread, between steps; its result or exception."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def call_input(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the input thread, while steps run; its result or exception.
+
+        Only for work that reads nothing but the tokenizer and the engine's fixed limits
+        (``LLMEngine.process_prompt``, ``apply_chat_template``). The engine thread's
+        detokenizer reads the same tokenizer at the same time, which a Rust tokenizer
+        allows: it is changed only by settings (truncation, padding) the engine never sets.
+        Waiting for the current step instead would queue the request's ``add`` behind the
+        next one: a whole step later.
+        """
+        return await asyncio.get_running_loop().run_in_executor(self._input_executor, fn,
+                                                                *args)
 
     async def add_requests(self, prompts: Sequence[ProcessedPrompt],
                            params: Sequence[SamplingParams], stream: bool,

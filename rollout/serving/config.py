@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.kernels.cpu_threads import parse_cpu_list
+
 from .allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
 
 
@@ -53,6 +55,12 @@ class ServerConfig:
         "included); a request's own ``timeout`` field applies when smaller. Past it the "
         "request is aborted (its KV blocks freed) and answered 504, or its stream ends with "
         "an error event and [DONE]. None: no deadline.")})
+    cpu_threads_bind: str = field(default="auto", metadata={"help": (
+        "on CPU, pin the engine thread's OpenMP threads one per CPU, as vLLM-CPU does "
+        "(VLLM_CPU_OMP_THREADS_BIND), so they keep their cores against other processes: "
+        "'auto' pins them to the CPUs this process may use when it has as many threads as "
+        "CPUs (else none), a list such as '0-3' or '0,2' to those (one per thread), 'none' "
+        "leaves them to the scheduler.")})
     shutdown_timeout: float = field(default=20.0, metadata={"help": (
         "on SIGTERM, seconds the running requests get to finish while new ones are refused; "
         "what is left is then aborted (finish_reason abort) and the server exits 0. 20 so "
@@ -78,6 +86,12 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name}={value} is invalid: it must be > 0 seconds.")
+        if self.cpu_threads_bind not in ("auto", "none"):
+            try:
+                parse_cpu_list(self.cpu_threads_bind)
+            except ValueError as exc:
+                raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r} is invalid: "
+                                 f"use 'auto', 'none' or a CPU list; {exc}") from exc
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: it must be "
                              ">= 0 seconds (0 aborts the running requests at once).")

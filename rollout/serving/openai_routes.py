@@ -65,10 +65,10 @@ def openai_routes(server: TandemServer) -> APIRouter:
         max_tokens = _first_set(body.max_completion_tokens, body.max_tokens,
                                 server.config.max_tokens)
         params = server.sampling_params(body, max_tokens, logprobs)
-        server.async_engine.admission.check(1)  # before the template's turn on the engine
-        prompt = await server.async_engine.call(server.engine.apply_chat_template,
-                                                body.conversation(), body.add_generation_prompt,
-                                                tools)
+        server.async_engine.admission.check(1)  # before any work on the template
+        prompt = await server.async_engine.call_input(
+            server.engine.apply_chat_template, body.conversation(), body.add_generation_prompt,
+            tools)
         prompts = await server.process_prompts([prompt])
         return await server.openai_response(request, body, prompts, params, chat=True,
                                             tool_calls=body.parses_tool_calls)

@@ -47,7 +47,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        server.async_engine.start()
+        await server.start()
         yield
         await server.async_engine.shutdown()
 

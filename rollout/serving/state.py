@@ -13,8 +13,11 @@ from collections.abc import AsyncIterator, Awaitable
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind
 
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
@@ -52,10 +55,24 @@ class TandemServer:
         self.async_engine = AsyncLLMEngine(
             engine, self.metrics,
             config.max_num_waiting or WAITING_PER_SEQ * engine.config.max_num_seqs)
+        binds = engine.config.torch_device.type == "cpu" or config.cpu_threads_bind != "auto"
+        self.bound_cpus = (cpus_to_bind(config.cpu_threads_bind, torch.get_num_threads())
+                           if binds else None)
         self.responses = ResponseBuilder(engine.tokenizer, self.model_name)
         self.weight_transfer = WeightTransfer(
             engine, timedelta(seconds=config.weight_transfer_timeout),
             self.metrics.weight_sync_seconds)
+
+    async def start(self) -> None:
+        """Pin the engine thread's OpenMP threads to ``bound_cpus`` (when there are any: see
+        ``cpu_threads_bind``), then start the engine loop.
+
+        Raises:
+            ValueError, RuntimeError: as ``bind_threads``.
+        """
+        if self.bound_cpus is not None:
+            await self.async_engine.call(bind_threads, self.bound_cpus)
+        self.async_engine.start()
 
     def check_model(self, model: str | None) -> None:
         """Refuse a request for another model (404, as OpenAI)."""
@@ -77,7 +94,7 @@ class TandemServer:
                                f"({flag}).", param=name)
 
     async def process_prompts(self, prompts: list[Prompt]) -> list[ProcessedPrompt]:
-        """Every prompt tokenized once (on the engine thread) and checked, refusing one
+        """Every prompt tokenized once (on the input thread) and checked, refusing one
         over ``max_prompt_tokens``; an overloaded or draining server refuses them first,
         before spending any work on them.
 
@@ -87,7 +104,7 @@ class TandemServer:
             ValueError: for a prompt the engine refuses, or more than ``max_num_waiting``.
         """
         self.async_engine.admission.check(len(prompts))
-        processed = await self.async_engine.call(
+        processed = await self.async_engine.call_input(
             lambda: [self.engine.process_prompt(prompt) for prompt in prompts])
         for ids in (p.prompt_token_ids for p in processed):
             if len(ids) > self.max_prompt_tokens:

