@@ -57,10 +57,11 @@ class ServerConfig:
         "an error event and [DONE]. None: no deadline.")})
     cpu_threads_bind: str = field(default="auto", metadata={"help": (
         "on CPU, pin the engine thread's OpenMP threads one per CPU, as vLLM-CPU does "
-        "(VLLM_CPU_OMP_THREADS_BIND), so they keep their cores against other processes: "
-        "'auto' pins them to the CPUs this process may use when it has as many threads as "
-        "CPUs (else none), a list such as '0-3' or '0,2' to those (one per thread), 'none' "
-        "leaves them to the scheduler.")})
+        "(VLLM_CPU_OMP_THREADS_BIND), so they keep their cores against lower-priority "
+        "processes: 'auto' pins them to the CPUs this process may use when it has as many "
+        "threads as CPUs or physical cores (else none), a list such as '0-3' or '0,2' to "
+        "those (one per thread), 'none' leaves them to the scheduler (better where other "
+        "busy processes share the cores at the same priority).")})
     shutdown_timeout: float = field(default=20.0, metadata={"help": (
         "on SIGTERM, seconds the running requests get to finish while new ones are refused; "
         "what is left is then aborted (finish_reason abort) and the server exits 0. 20 so "
