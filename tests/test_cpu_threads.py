@@ -56,7 +56,10 @@ def pinned_threads() -> dict[int, set[int]]:
     """Every thread of this process whose CPUs are fewer than the process's, and its CPUs."""
     threads = {}
     for task in Path("/proc/self/task").iterdir():
-        cpus = os.sched_getaffinity(int(task.name))
+        try:
+            cpus = os.sched_getaffinity(int(task.name))
+        except ProcessLookupError:  # the thread ended since the listing
+            continue
         if cpus != set(ALLOWED):
             threads[int(task.name)] = cpus
     return threads
