@@ -40,8 +40,9 @@ class EngineConfig:
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step."})
     max_num_batched_tokens: int | None = field(default=None, metadata={"help": (
         "most tokens computed in one step (the chunked-prefill budget). Default, as vLLM's: "
-        "8192 on GPU; on CPU 4096, and 1024 under ``tandem serve``, where a long prompt's "
-        "prefill would otherwise hold back the running streams and other first tokens.")})
+        "8192 on GPU and 4096 on CPU; under ``tandem serve`` on CPU 1024 (vLLM's 2048), "
+        "where a long prompt's prefill would otherwise hold back the running streams and "
+        "other first tokens.")})
     max_model_len: int | None = field(default=None, metadata={"help": (
         "longest sequence (prompt plus completion); default the model's.")})
     enable_prefix_caching: bool = field(default=True, metadata={"help": (
