@@ -20,3 +20,16 @@ int bind_threads(const int *cpus, int num_cpus) {
     }
     return failed;
 }
+
+/* Weak: an OpenMP runtime older than 5.0 lacks it, and the library must still load. */
+#pragma weak omp_pause_resource_all
+
+/* The calling thread runs its later parallel regions on itself alone, and the threads of its
+ * team end (libgomp then no longer counts them among the threads it manages). Returns 0, or
+ * -1 where the runtime cannot end them. */
+int release_team(void) {
+    omp_set_num_threads(1);
+    if (!omp_pause_resource_all)
+        return -1;
+    return omp_pause_resource_all(omp_pause_hard);
+}

@@ -1,6 +1,6 @@
 """Pinning a thread's OpenMP team to CPUs, one thread each (``cpu_threads.c``), and the CPU
 lists that name them (``"0-1,4"``, as ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
-write them).
+write them); releasing the team of a thread that should not compute.
 
 Pinned threads keep their cores when other processes want them too: an unpinned team of
 two on two cores, sharing them with a load generator, ran prefills about a third slower,
@@ -13,6 +13,8 @@ import ctypes
 import os
 import re
 from pathlib import Path
+
+import torch
 
 from .cpu_build import available, kernel
 
@@ -93,6 +95,24 @@ def bind_threads(cpus: list[int]) -> None:
     if bind((ctypes.c_int * len(cpus))(*cpus), len(cpus)):
         raise RuntimeError(f"the OpenMP threads could not all be pinned to CPUs "
                            f"{_cpu_list(cpus)}.")
+
+
+def release_team() -> bool:
+    """Make the calling thread run its OpenMP regions, torch's included, on itself alone,
+    and end its team's other threads. False where that could not be done (no compiled
+    kernels, or an OpenMP runtime older than 5.0).
+
+    For a thread that should not compute beside the engine's (a server's event loop, which
+    loaded the model): while a process's OpenMP teams hold more threads than it has CPUs,
+    libgomp (torch's OpenMP) lets an idle thread spin only 100 times, not 300,000, before
+    it sleeps, so every parallel region of the engine's team waits for its threads to wake.
+    An idle second team made each decode step of the embedded model 30-80% slower on two
+    cores.
+    """
+    if not available():
+        return False
+    torch.get_num_threads()  # torch sets a thread's count at its first call there: first
+    return kernel("release_team", (), ctypes.c_int)() == 0
 
 
 def _core(cpu: int) -> tuple[str, str] | int:

@@ -1,8 +1,10 @@
 """Pinning an OpenMP team to CPUs: the CPU lists, what ``"auto"`` picks, each thread of the
-team on its own CPU, and ``tandem serve``'s engine thread pinned where it runs steps."""
+team on its own CPU, and ``tandem serve``'s engine thread pinned where it runs steps;
+releasing a team, and ``tandem serve`` leaving the engine thread's the only one."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from tandem.kernels import cpu_build
-from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind, parse_cpu_list
+from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind, parse_cpu_list, release_team
 from tandem.rollout.serving.config import ServerConfig
 
 from .test_server import running_uvicorn
@@ -115,3 +117,57 @@ def test_serve_runs_its_steps_on_a_thread_pinned_to_the_given_cpus(llama_dir, mo
         monkeypatch.setattr(engine, "step", recording_step)
         assert completion(url, max_tokens=4).status_code == 200
     assert step_cpus and all(c == {cpus[0]} for c in step_cpus)
+
+
+def thread_ids() -> set[int]:
+    return {int(task.name) for task in Path("/proc/self/task").iterdir()}
+
+
+@needs_kernels
+def test_release_team_ends_the_callers_team_and_leaves_others_alone():
+    if torch.get_num_threads() < 2:
+        pytest.skip("a team of one thread has nothing to release")
+    threads_here = torch.get_num_threads()
+
+    def release() -> tuple[set[int], bool, int, set[int]]:
+        before = thread_ids()
+        torch.ones(1 << 22).sum()  # a parallel region: this new thread's team starts
+        team = thread_ids() - before
+        released = release_team()
+        torch.ones(1 << 22).sum()  # on this thread alone now: no team starts again
+        return team, released, torch.get_num_threads(), thread_ids()
+
+    team, released, threads_after, alive = in_new_thread(release)
+    assert released and threads_after == 1
+    assert len(team) == threads_here - 1 and not team & alive
+    assert torch.get_num_threads() == threads_here
+
+
+@needs_kernels
+def test_serve_leaves_the_engine_threads_team_the_only_one(llama_dir, monkeypatch):
+    if torch.get_num_threads() < 2:
+        pytest.skip("a team of one thread has nothing to release")
+    with running_uvicorn(llama_dir) as (url, engine, server, _):
+        threads: dict[str, int] = {}
+        step, process_prompt = engine.step, engine.process_prompt
+
+        def record() -> None:  # under the executor's name: tandem-engine_0, tandem-input_0
+            threads[threading.current_thread().name.split("_")[0]] = torch.get_num_threads()
+
+        def recording_step():
+            record()
+            return step()
+
+        def recording_process_prompt(prompt):
+            record()
+            return process_prompt(prompt)
+
+        async def on_loop() -> int:
+            return torch.get_num_threads()
+
+        monkeypatch.setattr(engine, "step", recording_step)
+        monkeypatch.setattr(engine, "process_prompt", recording_process_prompt)
+        assert completion(url, max_tokens=4).status_code == 200
+        loop = server.async_engine._loop_task.get_loop()
+        threads["loop"] = asyncio.run_coroutine_threadsafe(on_loop(), loop).result(30)
+    assert threads == {"tandem-engine": torch.get_num_threads(), "tandem-input": 1, "loop": 1}

@@ -17,7 +17,7 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind
+from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind, release_team
 
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
@@ -64,12 +64,17 @@ class TandemServer:
             self.metrics.weight_sync_seconds)
 
     async def start(self) -> None:
-        """Pin the engine thread's OpenMP threads to ``bound_cpus`` (when there are any: see
-        ``cpu_threads_bind``), then start the engine loop.
+        """On CPU, leave the engine thread's OpenMP team the only one (``release_team`` on
+        this thread, the event loop's, and on the input thread); pin its threads to
+        ``bound_cpus`` (when there are any: see ``cpu_threads_bind``); then start the engine
+        loop.
 
         Raises:
             ValueError, RuntimeError: as ``bind_threads``.
         """
+        if self.engine.config.torch_device.type == "cpu":
+            release_team()
+            await self.async_engine.call_input(release_team)
         if self.bound_cpus is not None:
             await self.async_engine.call(bind_threads, self.bound_cpus)
         self.async_engine.start()
