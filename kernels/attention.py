@@ -132,11 +132,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if num_decodes:
         output[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache,
                                                  metadata, scale)
-    attend_prefills(query, k_cache, v_cache, metadata, scale, output)
+    _attend_prefills(query, k_cache, v_cache, metadata, scale, output)
     return output
 
 
-def attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
     """Write the attention of the step's prefill chunks (the query tokens after the
     decodes') into the same rows of ``output``, one sequence at a time."""

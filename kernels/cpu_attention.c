@@ -1,11 +1,16 @@
-/* Paged decode attention on CPU: one query token per sequence, keys and values read in place
- * from the block pool (no gathered copy, no upcast copy), softmax in float32.
+/* Paged attention on CPU, keys and values read in place from the block pool (no gathered
+ * copy, no upcast copy), softmax in float32: the decodes (one query token per sequence) and
+ * the prefill chunks (each query token attending to its sequence's keys up to its own
+ * position).
  *
  * Built and loaded by cpu_build.py (gcc -O3 -march=native -ffast-math -fopenmp). Its
  * OpenMP runtime is the one torch already loaded (same soname), so the threads are torch's.
- * A task is one (sequence, KV head): its query heads' scores against every context token,
- * then the softmax-weighted sum of the values. Element strides throughout; a row's head_dim
- * values are contiguous.
+ * A decode task is one (sequence, KV head): its query heads' scores against every context
+ * token, then the softmax-weighted sum of the values. A prefill task is one (sequence, KV
+ * head, tile of query tokens): the scores of the tile's rows (its tokens times the KV
+ * head's query heads) against TILE_KEYS keys at a time, transposed so that one vector holds
+ * a row's scores, then the same softmax and sum, ROW_BLOCK rows at a time in registers.
+ * Element strides throughout; a row's head_dim values are contiguous.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,13 +27,14 @@
 #error "build with -DMAX_GROUP=... (cpu_build.py does)"
 #endif
 
-struct decode_args {
-    const void *query;        /* [num_seqs, num_heads, head_dim], strides below */
+struct attention_args {
+    const void *query;        /* [query tokens, num_heads, head_dim], strides below */
     void *output;             /* the same shape and dtype, strides below */
     const void *k_cache;      /* [num_blocks, block_size, num_kv_heads, head_dim] by strides */
     const void *v_cache;
     const int64_t *block_tables;   /* [num_seqs, block_table_stride] */
     const int64_t *context_lens;   /* [num_seqs] */
+    const int64_t *query_starts;   /* [num_seqs + 1]: each sequence's first query row */
     int64_t block_table_stride;
     int64_t query_stride_seq, query_stride_head;
     int64_t output_stride_seq, output_stride_head;
@@ -60,7 +66,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* The element offset in the pool of each of `seq`'s first `context_len` tokens' rows. */
-static void token_rows(const struct decode_args *a, int64_t seq, int64_t kv_head,
+static void token_rows(const struct attention_args *a, int64_t seq, int64_t kv_head,
                        int64_t context_len, int64_t *rows) {
     const int64_t *table = a->block_tables + seq * a->block_table_stride;
     for (int64_t block = 0, t = 0; t < context_len; block++) {
@@ -70,7 +76,7 @@ static void token_rows(const struct decode_args *a, int64_t seq, int64_t kv_head
     }
 }
 
-static void load_queries(const struct decode_args *a, int64_t seq, int64_t kv_head,
+static void load_queries(const struct attention_args *a, int64_t seq, int64_t kv_head,
                          int64_t group, float queries[][MAX_HEAD_DIM]) {
     float scratch[MAX_HEAD_DIM];
     for (int64_t g = 0; g < group; g++) {
@@ -81,16 +87,64 @@ static void load_queries(const struct decode_args *a, int64_t seq, int64_t kv_he
     }
 }
 
+#define LANES 16
+#define TILE_KEYS LANES /* a tile's scores for one query row are one vector */
+#define ROW_BLOCK 4     /* query rows multiplied together, their sums held in registers */
+#define MAX_TILE_ROWS 64 /* query rows (tokens times query heads) a prefill task holds */
+
+typedef float vfloat __attribute__((vector_size(LANES * 4)));
+typedef int32_t vint __attribute__((vector_size(LANES * 4)));
+
+static inline vfloat load_vector(const float *from) {
+    vfloat value;
+    memcpy(&value, from, sizeof value);
+    return value;
+}
+
+static inline vfloat splat(float value) {
+    return (vfloat){0} + value;
+}
+
+/* exp(x) for x <= 0, in every lane: 2^-k e^r with k = round(-x / ln 2) and |r| <= ln 2 / 2,
+ * e^r by Cephes' expf polynomial (about 1 ulp). Written out because the C library's vector
+ * exp is not always called (gcc calls its scalar expf in some loops), and that call was
+ * half of a prefill's attention. x below -87.3 gives 2^-126, not 0. */
+static inline vfloat exp_nonpositive(vfloat x) {
+    const vfloat lowest = splat(-87.3f);
+    const vint below = x < lowest;
+    x = (vfloat)(((vint)x & ~below) | ((vint)lowest & below));
+    const vint k = __builtin_convertvector(x * splat(-1.44269504f) + splat(0.5f), vint);
+    const vfloat kf = __builtin_convertvector(k, vfloat);
+    const vfloat r = x + kf * splat(0.693359375f) + kf * splat(-2.12194440e-4f);
+    vfloat p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    return p * (vfloat)((127 - k) << 23);
+}
+
 /* Each row of scores in place becomes its softmax. */
 static void softmax_rows(float *scores, int64_t group, int64_t context_len) {
     for (int64_t g = 0; g < group; g++) {
         float *row = scores + g * context_len;
         float max = row[0];
+#pragma omp simd reduction(max : max)
         for (int64_t t = 1; t < context_len; t++)
             max = row[t] > max ? row[t] : max;
+        vfloat sums = {0};
+        int64_t t = 0;
+        for (; t + LANES <= context_len; t += LANES) {
+            vfloat e = exp_nonpositive(load_vector(row + t) - max);
+            memcpy(row + t, &e, sizeof e);
+            sums += e;
+        }
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < context_len; t++) {
+        for (int i = 0; i < LANES; i++)
+            sum += sums[i];
+        for (; t < context_len; t++) {
             row[t] = expf(row[t] - max);
             sum += row[t];
         }
@@ -101,7 +155,7 @@ static void softmax_rows(float *scores, int64_t group, int64_t context_len) {
     }
 }
 
-static void store_outputs(const struct decode_args *a, int64_t seq, int64_t kv_head,
+static void store_outputs(const struct attention_args *a, int64_t seq, int64_t kv_head,
                           int64_t group, float sums[][MAX_HEAD_DIM]) {
     for (int64_t g = 0; g < group; g++) {
         int64_t index = seq * a->output_stride_seq + (kv_head * group + g) * a->output_stride_head;
@@ -115,7 +169,7 @@ static void store_outputs(const struct decode_args *a, int64_t seq, int64_t kv_h
     }
 }
 
-static void attend(const struct decode_args *a, int64_t seq, int64_t kv_head, float *scores,
+static void attend(const struct attention_args *a, int64_t seq, int64_t kv_head, float *scores,
                    int64_t *rows) {
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
     const int64_t context_len = a->context_lens[seq];
@@ -147,10 +201,10 @@ static void attend(const struct decode_args *a, int64_t seq, int64_t kv_head, fl
     store_outputs(a, seq, kv_head, group, sums);
 }
 
-/* Attend every (sequence, KV head) of `num_seqs` decodes, over `num_threads` threads.
+/* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each, over `num_threads` threads.
  * Returns 0, or -1 when its scratch memory could not be allocated (no output written then
  * for some tasks). */
-int32_t tandem_decode_attention(const struct decode_args *a, int64_t num_seqs,
+int32_t tandem_decode_attention(const struct attention_args *a, int64_t num_seqs,
                                 int32_t num_threads) {
     int64_t longest = 1;
     for (int64_t s = 0; s < num_seqs; s++)
@@ -173,5 +227,166 @@ int32_t tandem_decode_attention(const struct decode_args *a, int64_t num_seqs,
         free(scores);
         free(rows);
     }
+    return status;
+}
+
+
+/* The query tokens of one prefill task: at most MAX_TILE_ROWS rows of `group` heads each. */
+static int64_t tile_tokens(int64_t group) {
+    return group >= MAX_TILE_ROWS ? 1 : MAX_TILE_ROWS / group;
+}
+
+/* scores[r * stride + t] = the tile's row r (scaled query) . key t, for keys [0, num_keys),
+ * TILE_KEYS keys at a time through a transposed copy, ROW_BLOCK rows at a time. */
+static void tile_scores(const struct attention_args *a, const int64_t *rows, int64_t num_keys,
+                        int64_t num_rows, float queries[][MAX_HEAD_DIM], float *scores,
+                        int64_t stride) {
+    const int64_t head_dim = a->head_dim;
+    float keys[MAX_HEAD_DIM][TILE_KEYS], scratch[MAX_HEAD_DIM];
+    for (int64_t t0 = 0; t0 < num_keys; t0 += TILE_KEYS) {
+        const int64_t n = num_keys - t0 < TILE_KEYS ? num_keys - t0 : TILE_KEYS;
+        for (int64_t j = 0; j < TILE_KEYS; j++) {
+            const float *key = row_at(a->k_cache, rows[t0 + (j < n ? j : 0)], a->bf16,
+                                      head_dim, scratch);
+            for (int64_t d = 0; d < head_dim; d++)
+                keys[d][j] = key[d];
+        }
+        for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
+            vfloat sums[ROW_BLOCK] = {{0}};
+            for (int64_t d = 0; d < head_dim; d++) {
+                const vfloat key = load_vector(keys[d]);
+                for (int i = 0; i < ROW_BLOCK; i++)
+                    sums[i] += queries[r0 + i][d] * key;
+            }
+            for (int i = 0; i < ROW_BLOCK; i++)
+                memcpy(scores + (r0 + i) * stride + t0, &sums[i], n * sizeof(float));
+        }
+    }
+}
+
+/* sums[r][d] = sum over t of scores[r * stride + t] * value t's element d, ROW_BLOCK rows
+ * and LANES elements at a time (the elements past a multiple of LANES one by one). */
+static void weighted_values(const struct attention_args *a, const int64_t *rows,
+                            int64_t num_keys, int64_t num_rows, const float *scores,
+                            int64_t stride, float sums[][MAX_HEAD_DIM]) {
+    const int64_t head_dim = a->head_dim, vector_dim = head_dim / LANES * LANES;
+    float scratch[MAX_HEAD_DIM];
+    for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
+        for (int64_t d0 = 0; d0 < vector_dim; d0 += LANES) {
+            vfloat acc[ROW_BLOCK] = {{0}};
+            for (int64_t t = 0; t < num_keys; t++) {
+                const float *value = row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch);
+                const vfloat v = load_vector(value + d0);
+                for (int i = 0; i < ROW_BLOCK; i++)
+                    acc[i] += scores[(r0 + i) * stride + t] * v;
+            }
+            for (int i = 0; i < ROW_BLOCK; i++)
+                memcpy(sums[r0 + i] + d0, &acc[i], sizeof acc[i]);
+        }
+        for (int64_t d = vector_dim; d < head_dim; d++)
+            for (int i = 0; i < ROW_BLOCK; i++) {
+                float sum = 0.0f;
+                for (int64_t t = 0; t < num_keys; t++)
+                    sum += scores[(r0 + i) * stride + t] *
+                           row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch)[d];
+                sums[r0 + i][d] = sum;
+            }
+    }
+}
+
+/* The task's query tokens [first, first + count) of prefill `seq`, all of KV head
+ * `kv_head`'s query heads: row r is token first + r / group, head r % group. */
+static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_head,
+                        int64_t first, int64_t count, float *scores, int64_t *rows) {
+    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
+    const int64_t start = a->query_starts[seq];
+    const int64_t num_query = a->query_starts[seq + 1] - start;
+    /* Token first + i sits at this position: it sees keys [0, position]. */
+    const int64_t first_position = a->context_lens[seq] - num_query + first;
+    const int64_t num_keys = first_position + count, num_rows = count * group;
+    /* Whole ROW_BLOCKs: the rows past num_rows are zero queries, computed, never stored. */
+    const int64_t padded_rows = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    float queries[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM];
+    float sums[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM], scratch[MAX_HEAD_DIM];
+    for (int64_t r = 0; r < padded_rows; r++) {
+        if (r >= num_rows) {
+            memset(queries[r], 0, head_dim * sizeof(float));
+            continue;
+        }
+        int64_t index = (start + first + r / group) * a->query_stride_seq +
+                        (kv_head * group + r % group) * a->query_stride_head;
+        const float *row = row_at(a->query, index, a->bf16, head_dim, scratch);
+        for (int64_t d = 0; d < head_dim; d++)
+            queries[r][d] = row[d] * a->scale;
+    }
+    token_rows(a, seq, kv_head, num_keys, rows);
+    tile_scores(a, rows, num_keys, padded_rows, queries, scores, num_keys);
+    for (int64_t r = 0; r < padded_rows; r++) { /* causal: row r sees its first `seen` keys */
+        const int64_t seen = r < num_rows ? first_position + r / group + 1 : 0;
+        float *row = scores + r * num_keys;
+        if (seen)
+            softmax_rows(row, 1, seen);
+        memset(row + seen, 0, (num_keys - seen) * sizeof(float));
+    }
+    weighted_values(a, rows, num_keys, padded_rows, scores, num_keys, sums);
+    for (int64_t r = 0; r < num_rows; r++) {
+        int64_t index = (start + first + r / group) * a->output_stride_seq +
+                        (kv_head * group + r % group) * a->output_stride_head;
+        if (a->bf16) {
+            uint16_t *out = (uint16_t *)a->output + index;
+            for (int64_t d = 0; d < head_dim; d++)
+                out[d] = float_to_bf16(sums[r][d]);
+        } else {
+            memcpy((float *)a->output + index, sums[r], head_dim * sizeof(float));
+        }
+    }
+}
+
+/* Attend the query tokens of sequences [first_seq, num_seqs), each a prefill chunk of its
+ * sequence's last tokens, over `num_threads` threads. Returns 0, or -1 when its scratch
+ * memory could not be allocated (no output written then for some tasks). */
+int32_t tandem_prefill_attention(const struct attention_args *a, int64_t first_seq,
+                                 int64_t num_seqs, int32_t num_threads) {
+    const int64_t group = a->num_heads / a->num_kv_heads, tokens = tile_tokens(group);
+    int64_t *first_task = malloc(sizeof(int64_t) * (num_seqs - first_seq + 1));
+    if (first_task == NULL)
+        return -1;
+    int64_t longest = 1;
+    first_task[0] = 0;
+    for (int64_t s = first_seq; s < num_seqs; s++) {
+        const int64_t num_query = a->query_starts[s + 1] - a->query_starts[s];
+        const int64_t tiles = (num_query + tokens - 1) / tokens;
+        first_task[s - first_seq + 1] = first_task[s - first_seq] + tiles * a->num_kv_heads;
+        longest = a->context_lens[s] > longest ? a->context_lens[s] : longest;
+    }
+    const int64_t num_tasks = first_task[num_seqs - first_seq];
+    int32_t status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * (MAX_TILE_ROWS + ROW_BLOCK) * longest);
+        int64_t *rows = malloc(sizeof(int64_t) * longest);
+        if (scores == NULL || rows == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++) {
+            if (scores == NULL || rows == NULL)
+                continue;
+            int64_t s = 0;
+            while (task >= first_task[s + 1])
+                s++;
+            const int64_t local = task - first_task[s];
+            const int64_t tile = local / a->num_kv_heads, kv_head = local % a->num_kv_heads;
+            const int64_t seq = first_seq + s;
+            const int64_t num_query = a->query_starts[seq + 1] - a->query_starts[seq];
+            const int64_t first = tile * tokens;
+            const int64_t count = num_query - first < tokens ? num_query - first : tokens;
+            attend_tile(a, seq, kv_head, first, count, scores, rows);
+        }
+        free(scores);
+        free(rows);
+    }
+    free(first_task);
     return status;
 }

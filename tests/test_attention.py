@@ -29,16 +29,16 @@ def shuffled_block_tables(context_lens: list[int], num_blocks: int,
 
 
 def paged_batch(decode_lens: list[int], prefills: list[tuple[int, int]], num_kv_heads: int,
-                group: int, dtype: torch.dtype, seed: int = 0):
+                group: int, dtype: torch.dtype, seed: int = 0, head_dim: int = HEAD_DIM):
     """A random pool and a step of decodes (context lengths) then prefills (query, context)."""
     generator = torch.Generator().manual_seed(seed)
     context_lens = decode_lens + [context for _, context in prefills]
     query_lens = [1] * len(decode_lens) + [query for query, _ in prefills]
     num_blocks = sum(num_blocks_for(c, BLOCK_SIZE) + 1 for c in context_lens) + 3
-    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    cache_shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     k_cache = torch.randn(cache_shape, generator=generator).to(dtype)
     v_cache = torch.randn(cache_shape, generator=generator).to(dtype)
-    query = torch.randn(sum(query_lens), num_kv_heads * group, HEAD_DIM,
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim,
                         generator=generator).to(dtype)
     cu_seqlens_q = torch.tensor([0] + query_lens).cumsum(0)
     metadata = AttentionMetadata(

@@ -36,10 +36,30 @@ def test_decode_of_an_empty_context_is_zero():
     query, k_cache, v_cache, metadata = paged_batch([20, 20], [], 2, 2, torch.float32)
     reference = float64_attention(query, k_cache, v_cache, metadata, 0.2)[:1]
     metadata.context_lens = torch.tensor([20, 0])
-    out = torch.full(query.shape, float("nan"))
-    cpu_attention.decode_attention(query, k_cache, v_cache, metadata, 0.2, out)
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, metadata, 0.2)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert relative_error(out[:1], reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (1, 8, 64), (2, 1, 40)])
+def test_prefill_chunks_match_float64_beside_decodes(dtype, num_kv_heads, group, head_dim):
+    # Whole prompts (one token, one tile, many tiles), chunks after a cached prefix (one
+    # token, part of a tile, several tiles) and decodes in one step; a head size that is
+    # not a multiple of the kernel's vector; the query a strided view, as the q/k/v split
+    # gives it.
+    prefills = [(1, 1), (5, 5), (70, 70), (1, 40), (3, 9), (45, 300)]
+    query, k_cache, v_cache, metadata = paged_batch([17, 1], prefills, num_kv_heads, group,
+                                                    dtype, seed=7, head_dim=head_dim)
+    k_cache, v_cache = head_major(k_cache), head_major(v_cache)
+    wide = torch.randn(query.shape[0], query.shape[1] + 1, query.shape[2]).to(dtype)
+    wide[:, 1:] = query
+    query = wide[:, 1:]
+    assert cpu_attention.supports(query, k_cache) and not query.is_contiguous()
+    out = cpu_attention.paged_attention(query, k_cache, v_cache, metadata, 0.125)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
+    assert out.dtype == dtype
+    assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
 def test_half_precision_and_mixed_dtypes_take_the_reference():
