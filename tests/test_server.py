@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -407,6 +408,16 @@ def test_sleep_refuses_generation_until_wake_up(served):
     assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).status_code == 200
     assert httpx.post(f"{url}/v1/completions", headers=AUTH,
                       json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_serve_freezes_what_start_up_loaded_until_it_shuts_down(llama_dir):
+    gc.unfreeze()  # another test's server may have frozen objects: start from none
+    with running_uvicorn(llama_dir) as (url, _, _, _):
+        assert gc.get_freeze_count() > 0
+        response = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                              json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 200
+    assert gc.get_freeze_count() == 0
 
 
 def test_models_lists_the_served_name(served):

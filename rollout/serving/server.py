@@ -49,7 +49,7 @@ def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.start()
         yield
-        await server.async_engine.shutdown()
+        await server.shutdown()
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.server = server
