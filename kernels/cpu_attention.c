@@ -76,14 +76,25 @@ static void token_rows(const struct attention_args *a, int64_t seq, int64_t kv_h
     }
 }
 
-static void load_queries(const struct attention_args *a, int64_t seq, int64_t kv_head,
-                         int64_t group, float queries[][MAX_HEAD_DIM]) {
+/* Query token `token`'s head `head`, scaled, into `out`. */
+static void load_query(const struct attention_args *a, int64_t token, int64_t head, float *out) {
     float scratch[MAX_HEAD_DIM];
-    for (int64_t g = 0; g < group; g++) {
-        int64_t index = seq * a->query_stride_seq + (kv_head * group + g) * a->query_stride_head;
-        const float *row = row_at(a->query, index, a->bf16, a->head_dim, scratch);
+    int64_t index = token * a->query_stride_seq + head * a->query_stride_head;
+    const float *row = row_at(a->query, index, a->bf16, a->head_dim, scratch);
+    for (int64_t d = 0; d < a->head_dim; d++)
+        out[d] = row[d] * a->scale;
+}
+
+/* `sums` into query token `token`'s head `head` of the output, in its dtype. */
+static void store_output(const struct attention_args *a, int64_t token, int64_t head,
+                         const float *sums) {
+    int64_t index = token * a->output_stride_seq + head * a->output_stride_head;
+    if (a->bf16) {
+        uint16_t *out = (uint16_t *)a->output + index;
         for (int64_t d = 0; d < a->head_dim; d++)
-            queries[g][d] = row[d] * a->scale;
+            out[d] = float_to_bf16(sums[d]);
+    } else {
+        memcpy((float *)a->output + index, sums, a->head_dim * sizeof(float));
     }
 }
 
@@ -155,20 +166,6 @@ static void softmax_rows(float *scores, int64_t group, int64_t context_len) {
     }
 }
 
-static void store_outputs(const struct attention_args *a, int64_t seq, int64_t kv_head,
-                          int64_t group, float sums[][MAX_HEAD_DIM]) {
-    for (int64_t g = 0; g < group; g++) {
-        int64_t index = seq * a->output_stride_seq + (kv_head * group + g) * a->output_stride_head;
-        if (a->bf16) {
-            uint16_t *out = (uint16_t *)a->output + index;
-            for (int64_t d = 0; d < a->head_dim; d++)
-                out[d] = float_to_bf16(sums[g][d]);
-        } else {
-            memcpy((float *)a->output + index, sums[g], a->head_dim * sizeof(float));
-        }
-    }
-}
-
 static void attend(const struct attention_args *a, int64_t seq, int64_t kv_head, float *scores,
                    int64_t *rows) {
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
@@ -178,10 +175,12 @@ static void attend(const struct attention_args *a, int64_t seq, int64_t kv_head,
     for (int64_t g = 0; g < group; g++) /* only the rows used: the arrays are 32 KiB each */
         memset(sums[g], 0, head_dim * sizeof(float));
     if (context_len <= 0) { /* nothing to attend: zeros, as the Triton kernel writes */
-        store_outputs(a, seq, kv_head, group, sums);
+        for (int64_t g = 0; g < group; g++)
+            store_output(a, seq, kv_head * group + g, sums[g]);
         return;
     }
-    load_queries(a, seq, kv_head, group, queries);
+    for (int64_t g = 0; g < group; g++)
+        load_query(a, seq, kv_head * group + g, queries[g]);
     token_rows(a, seq, kv_head, context_len, rows);
     for (int64_t t = 0; t < context_len; t++) {
         const float *key = row_at(a->k_cache, rows[t], a->bf16, head_dim, scratch);
@@ -198,7 +197,8 @@ static void attend(const struct attention_args *a, int64_t seq, int64_t kv_head,
                 sums[g][d] += p * value[d];
         }
     }
-    store_outputs(a, seq, kv_head, group, sums);
+    for (int64_t g = 0; g < group; g++)
+        store_output(a, seq, kv_head * group + g, sums[g]);
 }
 
 /* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each, over `num_threads` threads.
@@ -307,17 +307,12 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
     /* Whole ROW_BLOCKs: the rows past num_rows are zero queries, computed, never stored. */
     const int64_t padded_rows = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
     float queries[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM];
-    float sums[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM], scratch[MAX_HEAD_DIM];
+    float sums[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM];
     for (int64_t r = 0; r < padded_rows; r++) {
-        if (r >= num_rows) {
+        if (r < num_rows)
+            load_query(a, start + first + r / group, kv_head * group + r % group, queries[r]);
+        else
             memset(queries[r], 0, head_dim * sizeof(float));
-            continue;
-        }
-        int64_t index = (start + first + r / group) * a->query_stride_seq +
-                        (kv_head * group + r % group) * a->query_stride_head;
-        const float *row = row_at(a->query, index, a->bf16, head_dim, scratch);
-        for (int64_t d = 0; d < head_dim; d++)
-            queries[r][d] = row[d] * a->scale;
     }
     token_rows(a, seq, kv_head, num_keys, rows);
     tile_scores(a, rows, num_keys, padded_rows, queries, scores, num_keys);
@@ -329,17 +324,8 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
         memset(row + seen, 0, (num_keys - seen) * sizeof(float));
     }
     weighted_values(a, rows, num_keys, padded_rows, scores, num_keys, sums);
-    for (int64_t r = 0; r < num_rows; r++) {
-        int64_t index = (start + first + r / group) * a->output_stride_seq +
-                        (kv_head * group + r % group) * a->output_stride_head;
-        if (a->bf16) {
-            uint16_t *out = (uint16_t *)a->output + index;
-            for (int64_t d = 0; d < head_dim; d++)
-                out[d] = float_to_bf16(sums[r][d]);
-        } else {
-            memcpy((float *)a->output + index, sums[r], head_dim * sizeof(float));
-        }
-    }
+    for (int64_t r = 0; r < num_rows; r++)
+        store_output(a, start + first + r / group, kv_head * group + r % group, sums[r]);
 }
 
 /* Attend the query tokens of sequences [first_seq, num_seqs), each a prefill chunk of its
