@@ -163,6 +163,12 @@ class BlockManager:
             self.num_hit_tokens += len(hits) * self.block_size
         return SlotAllocation(len(hits) * self.block_size, num_new_tokens, copy)
 
+    def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
+        """The tokens ``seq`` still has to compute: its uncomputed ones, less the cached
+        prefix ``allocate_slots`` would give it (changes nothing)."""
+        hits = self._lookup(seq) if not seq.block_table and use_cache else []
+        return seq.num_uncomputed_tokens - len(hits) * self.block_size
+
     def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
         """How many leading blocks all of ``seqs`` hold in common (the same physical blocks)
         that lie wholly before each one's last token (the token a decode writes)."""

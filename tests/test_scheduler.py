@@ -60,13 +60,42 @@ def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
     batch = scheduler.schedule()
     assert batch.seqs == [first] and batch.num_new_tokens == [6] and batch.samples(0)
     scheduler.update_from_output(batch, SamplerOutput([7], [-0.5], [None]), weight_version=0)
-    second, third = make_seq(1, 7), make_seq(2, 5)
+    second, third = make_seq(1, 3), make_seq(2, 8)
     scheduler.add(second)
     scheduler.add(third)
     batch = scheduler.schedule()
     assert batch.seqs == [first, second, third] and batch.num_decodes == 1
-    assert batch.num_new_tokens == [1, 7, 2]
+    assert batch.num_new_tokens == [1, 3, 6]
     assert [batch.samples(i) for i in range(3)] == [True, True, False]
+
+
+def test_a_step_past_half_its_budget_leaves_a_prompt_it_cannot_finish_to_the_next():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    first, second, third = make_seq(0, 7), make_seq(1, 5), make_seq(2, 12)
+    for seq in (first, second, third):
+        scheduler.add(seq)
+    batch = scheduler.schedule()  # 7 of 10 taken: the 5-token prompt waits, not split 3 + 2
+    assert batch.seqs == [first] and batch.num_new_tokens == [7]
+    scheduler.update_from_output(batch, SamplerOutput([7], [-0.5], [None]), weight_version=0)
+    batch = scheduler.schedule()  # 6 of 10 taken: the 12-token prompt waits too
+    assert batch.seqs == [first, second] and batch.num_new_tokens == [1, 5]
+    scheduler.update_from_output(batch, SamplerOutput([7, 7], [-0.5] * 2, [None] * 2),
+                                 weight_version=0)
+    batch = scheduler.schedule()  # under half taken: it starts with what is left
+    assert batch.seqs == [first, second, third] and batch.num_new_tokens == [1, 1, 8]
+
+
+def test_a_cached_prefix_counts_as_done_when_a_step_decides_whether_a_prompt_fits():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    cached = make_seq(0, 9)
+    scheduler.add(cached)
+    batch = scheduler.schedule()
+    scheduler.update_from_output(batch, SamplerOutput([7], [-0.5], [None]), weight_version=0)
+    hit = make_seq(1, 11)
+    hit.token_ids[:8] = cached.token_ids[:8]  # its first two blocks are cached
+    scheduler.add(hit)
+    batch = scheduler.schedule()  # 1 decode + 3 to compute, though 11 is more than 9 left
+    assert batch.seqs == [cached, hit] and batch.num_new_tokens == [1, 3]
 
 
 def test_update_appends_tokens_and_retires_stopped_sequences_with_their_reason():
