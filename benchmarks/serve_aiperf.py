@@ -10,6 +10,7 @@ install aiperf``), not a dependency; ``serve_load.py`` starts the servers and ru
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,19 @@ def hit_rate(before: tuple[float, float], after: tuple[float, float]) -> float:
     """Hits over queried tokens between two ``prefix_cache_tokens`` readings; NaN if none."""
     queried = after[0] - before[0]
     return (after[1] - before[1]) / queried if queried else math.nan
+
+
+def median_result(rounds: list[LevelResult]) -> LevelResult:
+    """One level over ``rounds`` (runs of the same load, each with prompts of its own): the
+    requests and errors summed, every other figure the median of the rounds' (hit rates of
+    rounds that queried nothing left out)."""
+    def median(name: str) -> float:
+        values = [getattr(result, name) for result in rounds]
+        return statistics.median([v for v in values if not math.isnan(v)] or [math.nan])
+
+    return LevelResult(sum(r.requests for r in rounds), sum(r.errors for r in rounds),
+                       median("ttft_p50_ms"), median("ttft_p99_ms"), median("itl_p50_ms"),
+                       median("output_tokens_per_s"), median("prefix_hit_rate"))
 
 
 def result_row(server: str, prefix: str, concurrency: int, result: LevelResult,

