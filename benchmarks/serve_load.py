@@ -141,7 +141,7 @@ class Server:
         return next(kib for at, kib in window if at >= baseline), window[-1][1]
 
     def pause(self) -> None:
-        """Stop every process of the server (SIGSTOP to its session): a paused server
+        """Stop every process of the server (SIGSTOP to its process group): a paused server
         takes no CPU from the one being measured."""
         os.killpg(self.process.pid, signal.SIGSTOP)
 
@@ -179,8 +179,11 @@ async def running_process(command: list[str], port: int, log: Path,
     appended to ``log``) once ``/health`` answers 200 (else RuntimeError with the log's tail,
     after ``wait`` s), its RSS sampled; terminated on exit."""
     with log.open("ab") as out:
+        # A process group of its own to pause, not a session: with autogroup scheduling a
+        # new session gets its own share of the CPU, and AIPerf's niceness would then no
+        # longer defer to the server.
         process = subprocess.Popen(command, stdout=out, stderr=out, env=os.environ | (env or {}),
-                                   start_new_session=True)
+                                   process_group=0)
     server, deadline = Server(f"http://127.0.0.1:{port}", process), time.monotonic() + wait
     try:
         async with http_client(server, 5.0) as client:
