@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "src" / "tandem"
 ENGINE_DIRS = ("rollout", "sync", "kernels")
 PACKAGE_DIRS = (*ENGINE_DIRS, "trainers")
 WEB_STACK = ("fastapi", "uvicorn", "pydantic", "starlette")
@@ -18,7 +19,7 @@ UNPICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "shelve")
 
 
 def modules(*dirs: str) -> list[Path]:
-    return sorted(p for d in dirs for p in (ROOT / d).rglob("*.py"))
+    return sorted(p for d in dirs for p in (SOURCE / d).rglob("*.py"))
 
 
 def imported_names(path: Path) -> list[str]:
@@ -48,6 +49,13 @@ def relative(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
+def test_the_repository_root_holds_no_package_but_the_tests():
+    # Python started from the root (python -m pytest) imports from it first: a package there
+    # shadows the distribution of its name (a root kernels/ folder hid the one transformers
+    # imports), so the sources live under src/.
+    assert {p.parent.name for p in ROOT.glob("*/__init__.py")} <= {"tests"}
+
+
 @pytest.mark.parametrize("path", modules(*ENGINE_DIRS), ids=relative)
 def test_engine_packages_never_import_the_trainers_or_the_cli(path):
     upward = [n for n in imported_names(path) if n.startswith(("tandem.trainers", "tandem.cli"))]
@@ -68,7 +76,7 @@ def test_the_web_stack_is_imported_only_in_serving():
 
 def test_the_client_and_server_config_import_without_the_web_stack():
     for name in ("client.py", "config.py", "__init__.py"):
-        path = ROOT / "rollout" / "serving" / name
+        path = SOURCE / "rollout" / "serving" / name
         assert not any(n.split(".")[0] in WEB_STACK for n in imported_names(path)), path
 
 
