@@ -250,6 +250,24 @@ def test_a_group_older_than_max_staleness_restarts_from_its_prompt(llama_dir, to
     collector.drop_carried()
 
 
+def test_a_finished_group_carried_past_max_staleness_restarts_from_its_prompt(llama_dir,
+                                                                            tokenizer):
+    llm = LLM(str(llama_dir), **ENGINE)
+    collector = partial_collector(CompletionSource(
+        llm, tokenizer, RolloutConfig(num_generations=2, max_tokens=1), seed=0), 0)
+    def short(k: int) -> dict:
+        return {"prompt": f"What is {k}+4? ", "spread": True}
+
+    first = collector.collect([short(0)], short, spread_by_example())
+    # All three finish in the same step: one trained, two carried as they are.
+    assert len(first.groups) == 1 and not llm.engine.has_unfinished_requests()
+    llm.update_weights(same_weights(llm))
+    second = collector.collect([short(9)], short, spread_by_example())
+    assert second.metrics["partial_restarted_groups"] == 2
+    assert {v for g in second.groups for row in g.token_weight_versions for v in row} == {1}
+    collector.drop_carried()
+
+
 def test_sleep_with_preempt_keeps_unfinished_requests_and_they_finish_after_wake(llama_dir):
     llm = LLM(str(llama_dir), **ENGINE)
     llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))

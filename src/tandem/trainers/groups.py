@@ -87,6 +87,10 @@ class GroupSource(Protocol):
         """Restart from its prompt each unfinished group with a token more than
         ``max_staleness`` weight versions old; returns how many."""
 
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine serves now."""
+
 
 def tokenize_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict[str, str]]
                     ) -> list[int]:
@@ -154,6 +158,11 @@ class CompletionSource:
             self.start(restarted)
         return len(restarted)
 
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine serves now."""
+        return self.engine.weight_version
+
     def _group(self, output: RequestOutput) -> Group:
         key, example, prompt = self._started.pop(output.request_id)
         completions = output.outputs
@@ -205,6 +214,11 @@ class EpisodeSource:
         for key in stale:
             self.runner.restart(key, self._examples[key], self.make_environment)
         return len(stale)
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine serves now."""
+        return self.runner.engine.weight_version
 
     def _group(self, key: int, trajectories: list[Trajectory]) -> Group:
         return Group(
@@ -261,8 +275,7 @@ class GroupCollector:
         first = [] if self._started or self.partial is None else \
             [extra_example(k) for k in range(self.partial.over_provision)]
         extras, self._started = len(first), True
-        restarted = 0 if self.partial is None else \
-            self.source.restart_stale(self.partial.max_staleness)
+        restarted = 0 if self.partial is None else self._restart_stale(self.partial.max_staleness)
         self.source.start([(next(self._keys), example) for example in [*examples, *first]])
         sampled, self._carried = self._carried, []
         try:
@@ -280,6 +293,18 @@ class GroupCollector:
         if self.partial is not None:
             collected.metrics["partial_restarted_groups"] = float(restarted)
         return collected
+
+    def _restart_stale(self, max_staleness: int) -> int:
+        """Restart from its prompt each group, unfinished or finished and carried, with a
+        token more than ``max_staleness`` weight versions old; returns how many."""
+        oldest = self.source.weight_version - max_staleness
+        stale = [group for group in self._carried
+                 if any(v < oldest for row in group.token_weight_versions for v in row)]
+        self._carried = [group for group in self._carried
+                         if not any(group is old for old in stale)]
+        if stale:
+            self.source.start([(group.key, group.example) for group in stale])
+        return len(stale) + self.source.restart_stale(max_staleness)
 
     def drop_carried(self) -> None:
         """Abort every unfinished group and forget finished ones (at a checkpoint)."""
