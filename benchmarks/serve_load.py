@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -627,19 +628,17 @@ async def aiperf_compare(args: argparse.Namespace) -> bool:
         for kind in kinds:  # each starts (vLLM compiles) with the others paused
             servers[kind] = await stack.enter_async_context(aiperf_server(kind, folder, out, args))
             servers[kind].pause()
-        for round_index in range(args.rounds):
-            for case in cases:
-                for concurrency in args.concurrency:
-                    for kind in kinds[::-1] if round_index % 2 else kinds:
-                        servers[kind].resume()
-                        result = await profile_level(
-                            servers[kind], kind,
-                            level_workload(args, case, concurrency, round_index), folder,
-                            out / f"{kind}-{case}-c{concurrency}-r{round_index}", args)
-                        servers[kind].pause()
-                        rounds.setdefault((kind, case, concurrency), []).append(result)
-                        print(f"round {round_index + 1}  " + "  ".join(serve_aiperf.result_row(
-                            kind, case, concurrency, result, None)[:10]), flush=True)
+        for round_index, case, concurrency in itertools.product(
+                range(args.rounds), cases, args.concurrency):
+            for kind in kinds[::-1] if round_index % 2 else kinds:
+                servers[kind].resume()
+                result = await profile_level(
+                    servers[kind], kind, level_workload(args, case, concurrency, round_index),
+                    folder, out / f"{kind}-{case}-c{concurrency}-r{round_index}", args)
+                servers[kind].pause()
+                rounds.setdefault((kind, case, concurrency), []).append(result)
+                print(f"round {round_index + 1}  " + "  ".join(serve_aiperf.result_row(
+                    kind, case, concurrency, result, None)[:10]), flush=True)
     results = {level: serve_aiperf.median_result(found) for level, found in rounds.items()}
     print_table(serve_aiperf.table(results))
     checks = serve_aiperf.targets(results)

@@ -158,8 +158,8 @@ class Scheduler:
         previous one (shortest remaining work first). Past half the budget the smaller
         step costs little.
         """
-        if budget * 2 > self.max_num_batched_tokens:
-            return False
+        if budget * 2 > self.max_num_batched_tokens or seq.num_uncomputed_tokens <= budget:
+            return False  # (fitting uncached, it needs no prefix lookup, which hashes)
         return self.block_manager.num_tokens_to_compute(seq, _uses_cache(seq)) > budget
 
     def _schedule_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:

@@ -298,10 +298,11 @@ class GroupCollector:
         """Restart from its prompt each group, unfinished or finished and carried, with a
         token more than ``max_staleness`` weight versions old; returns how many."""
         oldest = self.source.weight_version - max_staleness
-        stale = [group for group in self._carried
-                 if any(v < oldest for row in group.token_weight_versions for v in row)]
-        self._carried = [group for group in self._carried
-                         if not any(group is old for old in stale)]
+        fresh, stale = [], []
+        for group in self._carried:
+            old = any(v < oldest for row in group.token_weight_versions for v in row)
+            (stale if old else fresh).append(group)
+        self._carried = fresh
         if stale:
             self.source.start([(group.key, group.example) for group in stale])
         return len(stale) + self.source.restart_stale(max_staleness)
