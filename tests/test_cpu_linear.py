@@ -85,23 +85,37 @@ def test_packed_copy_follows_in_place_writes_and_new_storage(layout):
 
 def test_the_fastest_layout_is_the_least_time_relative_to_the_best_at_each_row_count(
         monkeypatch):
-    # (1 row, 64 rows): "transposed" is best at 1 row, "onednn" at 64 by less.
-    seconds = {(None, 1): 3.0, (None, 64): 9.0, ("transposed", 1): 1.0,
-               ("transposed", 64): 5.0, ("onednn", 1): 2.5, ("onednn", 64): 4.0}
+    assert cpu_linear.CALIBRATION_ROWS == (1, 8, 64)
+    # "transposed" is best at 1 and 8 rows, "onednn" at 64 by less.
+    seconds = {(None, 1): 3.0, (None, 8): 6.0, (None, 64): 9.0,
+               ("transposed", 1): 1.0, ("transposed", 8): 3.0, ("transposed", 64): 5.0,
+               ("onednn", 1): 2.5, ("onednn", 8): 3.3, ("onednn", 64): 4.0}
     monkeypatch.setattr(cpu_linear, "_pass_seconds",
                         lambda groups, layout, rows: seconds[layout, rows])
     monkeypatch.setattr(cpu_linear, "packs", lambda dtype: True)
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
-    seconds["onednn", 64] = 1.8  # relative: 1.05 (2.5 + 1.0) against "transposed"'s 1.0 + 2.83
-    seconds["transposed", 64] = 5.1
+    # relative: 1.05 (2.5 + 1 + 1) against "transposed"'s 1 + 1 + 2.83
+    seconds["onednn", 8], seconds["onednn", 64], seconds["transposed", 64] = 3.0, 1.8, 5.1
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "onednn"
-    seconds["transposed", 1] = seconds["transposed", 64] = 10.0
-    seconds[None, 1], seconds[None, 64] = 2.55, 1.836  # 2% slower: not worth oneDNN's copy
-    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) is None
+    for rows in cpu_linear.CALIBRATION_ROWS:
+        seconds["transposed", rows] = 10.0
+    seconds[None, 1], seconds[None, 8], seconds[None, 64] = 2.55, 3.06, 1.836  # 2% slower:
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) is None  # no copy
     monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
-    seconds["transposed", 1], seconds["transposed", 64] = 1.0, 5.0
-    seconds[None, 1], seconds[None, 64] = 1.02, 5.1  # 2% slower than "transposed": no copy
+    seconds["transposed", 1], seconds["transposed", 8], seconds["transposed", 64] = 1, 3, 5
+    seconds[None, 1], seconds[None, 8], seconds[None, 64] = 1.02, 3.06, 5.1
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
+
+
+def test_a_layout_far_faster_at_a_few_rows_wins_over_a_tie_at_one_and_many(monkeypatch):
+    # An AVX2 EPYC: oneDNN ties F.linear at 1 and 64 rows (within its copy's margin) but
+    # is 1.8x faster at 8, a server's decode step of a few streams.
+    seconds = {(None, 1): 1.0, (None, 8): 1.8, (None, 64): 1.0,
+               ("onednn", 1): 0.98, ("onednn", 8): 1.0, ("onednn", 64): 0.98}
+    monkeypatch.setattr(cpu_linear, "_pass_seconds",
+                        lambda groups, layout, rows: seconds[layout, rows])
+    monkeypatch.setattr(cpu_linear, "candidate_layouts", lambda dtype: [None, "onednn"])
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "onednn"
 
 
 def test_a_layout_chosen_once_is_remembered_for_the_same_machine_and_shapes(monkeypatch,

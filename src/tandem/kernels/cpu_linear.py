@@ -42,11 +42,14 @@ import torch.nn.functional as F
 from torch import nn
 
 LAYOUTS = ("transposed", "onednn")
-CALIBRATION_ROWS = (1, 64)  # a decode step of one sequence, and of a GRPO batch
+# Decode steps of one sequence, of a few (a server's streams) and of a GRPO batch. Without the
+# middle one, an AVX2 EPYC where oneDNN ties F.linear at 1 and 64 rows but is 1.8x faster at 8
+# took F.linear, and with it the unpacked LM head (3x slower at 8 rows).
+CALIBRATION_ROWS = (1, 8, 64)
 CALIBRATION_REPEATS = 3
 # oneDNN's copy doubles the weights' memory: it must beat F.linear by more than the noise.
 COPY_MARGIN = 1.05
-CHOICE_RULES = 2  # part of a remembered choice's key: bumped when what is timed changes
+CHOICE_RULES = 3  # part of a remembered choice's key: bumped when what is timed changes
 
 
 def packs(dtype: torch.dtype) -> bool:
