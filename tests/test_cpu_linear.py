@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_linear
+from tandem.kernels import cpu_build, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
 from tandem.rollout import LLM
 
@@ -65,10 +65,61 @@ def test_fused_layers_give_each_layers_output_side_by_side(rows, bias, layout):
         torch.testing.assert_close(PackedWeight(layers)(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17])
+@pytest.mark.parametrize(("out_features", "bias"), [(37, True), (48, False), (5, False)])
+def test_the_panel_kernel_equals_the_float64_matmul(rows, out_features, bias):
+    # Outputs not a multiple of the panel (a padded last panel) and inputs not a multiple
+    # of the accumulation block; rows through every unrolled row count and their tails.
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, 100, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(rows, 100, generator=generator)
+    out = cpu_linear.panel_linear(x, cpu_linear.panel_layout(weight), out_features, b)
+    expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+def test_the_panel_kernel_reads_rows_a_stride_apart():
+    generator = torch.Generator().manual_seed(0)
+    weight, wide = torch.randn(32, 24, generator=generator), torch.randn(3, 40, generator=generator)
+    x = wide[:, 8:32]  # rows 40 elements apart
+    out = cpu_linear.panel_linear(x, cpu_linear.panel_layout(weight), 32, None)
+    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ONEDNN)
-def test_packed_copy_follows_in_place_writes_and_new_storage(layout):
+def test_the_panels_round_less_than_onednn_over_a_long_input(layout):
+    # One rounding chain of `in` additions per output (oneDNN's) against blocks of 64.
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(256, 2048, generator=generator)
+    x = torch.randn(4, 2048, generator=generator)
+    packed = PackedWeight([linear_layer(weight, None)])
+    exact = F.linear(x.double(), weight.double())
+    panels = packed(x)
+    onednn = torch.ops.mkldnn._linear_pointwise(x, packed.weight, None, "none", [], "")
+    assert packed.panels is not None
+    assert (panels - exact).abs().mean() < 0.75 * (onednn - exact).abs().mean()
+
+
+@pytest.mark.parametrize("layout", ONEDNN)
+@pytest.mark.parametrize("rows", [1, cpu_linear.PANEL_ROWS, cpu_linear.PANEL_ROWS + 1, 64])
+def test_a_packed_weight_multiplies_a_few_float32_rows_through_the_panels(rows, layout,
+                                                                         monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu_linear, "panel_linear",
+                        lambda *args: calls.append(args) or F.linear(args[0], weight))
+    weight = torch.randn(32, 16)
+    PackedWeight([linear_layer(weight, None)])(torch.randn(rows, 16))
+    assert len(calls) == (rows <= cpu_linear.PANEL_ROWS)
+
+
+@pytest.mark.parametrize("layout", ONEDNN)
+@pytest.mark.parametrize("rows", [8, 32])  # the panels, then oneDNN's copy
+def test_packed_copy_follows_in_place_writes_and_new_storage(layout, rows):
     layers = [nn.Linear(16, 32, bias=False), nn.Linear(16, 8)]
-    packed, x = PackedWeight(layers), torch.randn(8, 16)
+    packed, x = PackedWeight(layers), torch.randn(rows, 16)
 
     def expected() -> torch.Tensor:
         return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)

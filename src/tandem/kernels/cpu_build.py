@@ -1,5 +1,5 @@
 """Builds Tandem's C kernels for the CPU (``cpu_attention.c``, ``cpu_layers.c``,
-``cpu_threads.c``) into one shared library and loads it with ``ctypes``.
+``cpu_linear.c``, ``cpu_threads.c``) into one shared library and loads it with ``ctypes``.
 
 The sources are plain C with no torch headers, so they compile in about a second, on first
 use, with the system's C compiler (``$CC``, else ``gcc`` or ``cc``) for this machine
@@ -17,18 +17,17 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 
-from .cpu_linear import cpu_name
-
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("cpu_attention.c", "cpu_layers.c", "cpu_threads.c"))
+                for name in ("cpu_attention.c", "cpu_layers.c", "cpu_linear.c", "cpu_threads.c"))
 HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 # The attention kernel's stack arrays; larger shapes take the reference.
 MAX_HEAD_DIM, MAX_GROUP = 256, 32
@@ -42,6 +41,18 @@ def cache_dir() -> Path:
     """Tandem's cache folder (converted models, kernels, timings): ``$TANDEM_CACHE`` or
     ``~/.cache/tandem``."""
     return Path(os.environ.get("TANDEM_CACHE", Path.home() / ".cache" / "tandem"))
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def _compiler() -> str | None:

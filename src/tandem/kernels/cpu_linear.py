@@ -13,7 +13,11 @@ in ``benchmarks/matmul_floor.py``):
   a copy (``PackedWeight``: ``torch.ops.mkldnn._reorder_linear_weight`` once, then
   ``_linear_pointwise``), layers that read the same input packed as one matrix. On an AVX2
   EPYC it beats ``F.linear`` at every row count from 1 to 256; in bfloat16 on AMX it is the
-  only fast one.
+  only fast one. In float32 the copy comes with a second one in panels (``panel_layout``)
+  that the compiled ``cpu_linear.c`` multiplies at up to ``PANEL_ROWS`` rows (a decode
+  step of a few sequences): there a projection is bound by reading its weight, which the
+  panels stream at about the machine's read bandwidth, 1.2-1.6x faster than oneDNN, and
+  with a shorter rounding chain (``benchmarks/matmul_floor.py``).
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
 among them) on the model's own leading layers when the engine loads, so each machine gets
@@ -29,10 +33,10 @@ tensor) must not be copied: the model drops its copies then (``pack_linear_weigh
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import cpu_build
 
 LAYOUTS = ("transposed", "onednn")
 # Decode steps of one sequence, of a few (a server's streams) and of a GRPO batch. Without the
@@ -49,7 +55,12 @@ CALIBRATION_ROWS = (1, 8, 64)
 CALIBRATION_REPEATS = 3
 # oneDNN's copy doubles the weights' memory: it must beat F.linear by more than the noise.
 COPY_MARGIN = 1.05
-CHOICE_RULES = 3  # part of a remembered choice's key: bumped when what is timed changes
+CHOICE_RULES = 4  # part of a remembered choice's key: bumped when what is timed changes
+PANEL = 16  # output rows per panel, as cpu_linear.c's PANEL
+# Up to this many rows, float32 multiplies through the panels (cpu_linear.c): faster than
+# oneDNN while the weight's bytes bound the time; at 64 rows they tie.
+PANEL_ROWS = 16
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
 
 def packs(dtype: torch.dtype) -> bool:
@@ -83,18 +94,43 @@ def store_column_major(weight: nn.Parameter, as_column_major: bool) -> None:
         weight.data = data.contiguous()
 
 
+def panel_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` as ``cpu_linear.c``'s panels ``[ceil(out / PANEL), in,
+    PANEL]``: each panel ``PANEL`` output rows, stored input-major, the last padded with
+    zero rows."""
+    out_features, in_features = weight.shape
+    padded = F.pad(weight, (0, 0, 0, -out_features % PANEL))
+    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b`` for float32 ``x`` ``[rows, in]`` (its last dimension contiguous), W
+    given as ``panel_layout(W)``, by the compiled kernel."""
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    kernel = cpu_build.kernel("tandem_panel_linear", (
+        _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int32))
+    kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), out_features,
+           None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+           torch.get_num_threads())
+    return out
+
+
 class PackedWeight:
     """oneDNN's packed copy of the weights of one or more linear layers that read the same
-    input (q/k/v, gate/up), stacked along their outputs, with their biases; rebuilt whenever
-    any of them changes. Calling it multiplies by all of them at once."""
+    input (q/k/v, gate/up), stacked along their outputs, with their biases, and in float32
+    their panels (``panel_layout``); rebuilt whenever any of them changes. Calling it
+    multiplies by all of them at once."""
 
-    __slots__ = ("layers", "key", "weight", "bias")
+    __slots__ = ("layers", "out_features", "key", "weight", "bias", "panels")
 
     def __init__(self, layers: Sequence[nn.Linear]) -> None:
         self.layers = tuple(layers)
+        self.out_features = sum(layer.out_features for layer in self.layers)
         self.key: tuple[tuple[int, int], ...] | None = None
         self.weight = torch.empty(0)
         self.bias: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
 
     def current(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight copy and the stacked bias (None without) as the layers are now."""
@@ -102,9 +138,11 @@ class PackedWeight:
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self.key:
             weights = [layer.weight.detach() for layer in self.layers]
-            stacked = weights[0] if len(weights) == 1 else torch.cat(weights)
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked.contiguous(), None)
+            stacked = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None)
             self.bias = self._stacked_bias()
+            self.panels = panel_layout(stacked) if stacked.dtype == torch.float32 \
+                and cpu_build.available() else None
             self.key = key
         return self.weight, self.bias
 
@@ -119,6 +157,9 @@ class PackedWeight:
         """``x @ W^T + b`` for ``x`` ``[rows, in]``, W and b the layers' stacked weights and
         biases: their outputs side by side."""
         weight, bias = self.current()
+        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_ROWS
+                and x.dtype == torch.float32 and x.stride(-1) == 1):
+            return panel_linear(x, self.panels, self.out_features, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -153,21 +194,9 @@ def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> 
 def _machine_key(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str:
     """A digest of what the timing depends on: the CPU, threads, torch, dtype and shapes."""
     shapes = [[list(layer.weight.shape) for layer in group] for group in groups]
-    parts = [cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
+    parts = [cpu_build.cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
              str(dtype), shapes, CHOICE_RULES]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` says."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _read_choices(path: Path | None) -> dict[str, str | None]:
