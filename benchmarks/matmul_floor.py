@@ -11,7 +11,9 @@ time, and the fastest kernel's is the floor's. Kernels:
 - ``mm W^T``: ``torch.mm`` on a contiguous transposed copy of the weight;
 - ``oneDNN packed``: the weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``), then ``torch.ops.mkldnn._linear_pointwise``
-  (where oneDNN packs the dtype: float32, and bfloat16 only with AVX-512 or AVX-NE-CONVERT).
+  (where oneDNN packs the dtype: float32, and bfloat16 only with AVX-512 or AVX-NE-CONVERT);
+- ``panels (C)``: Tandem's own ``cpu_linear.c`` on the weight in panels, in float32 (where
+  the C kernels build), at any row count (the engine takes it up to ``PANEL_ROWS``).
 
 A run's floor sums, over its steps, each shape's fastest time at the step's row count,
 interpolated linearly in the row count between the two nearest sweep points (exact at them).
@@ -44,7 +46,8 @@ from common import (
     timed,
 )
 
-from tandem.kernels.cpu_linear import packs
+from tandem.kernels import cpu_build
+from tandem.kernels.cpu_linear import packs, panel_layout, panel_linear
 
 Apply = Callable[[torch.Tensor], torch.Tensor]
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -60,6 +63,9 @@ def kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Apply]]:
     if packs(dtype):
         found["oneDNN packed"] = lambda w: (lambda p: lambda x: torch.ops.mkldnn._linear_pointwise(
             x, p, None, "none", [], ""))(torch.ops.mkldnn._reorder_linear_weight(w, None))
+    if dtype == torch.float32 and cpu_build.available():
+        found["panels (C)"] = lambda w: (lambda p: lambda x: panel_linear(x, p, w.shape[0], None))(
+            panel_layout(w))
     return found
 
 
