@@ -16,7 +16,7 @@ in ``benchmarks/matmul_floor.py``):
   only fast one. In float32 the copy comes with a second one in panels (``panel_layout``)
   that the compiled ``cpu_linear.c`` multiplies at up to ``PANEL_ROWS`` rows (a decode
   step of a few sequences): there a projection is bound by reading its weight, which the
-  panels stream at about the machine's read bandwidth, 1.2-1.6x faster than oneDNN, and
+  panels stream at about the machine's read bandwidth, 1.1-1.6x faster than oneDNN, and
   with a shorter rounding chain (``benchmarks/matmul_floor.py``).
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
