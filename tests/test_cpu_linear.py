@@ -1,5 +1,5 @@
-"""The CPU linear layers' layouts: oneDNN's packed copies and column-major weights equal the
-plain matmul and never serve stale weights."""
+"""The CPU linear layers' layouts: oneDNN's packed copies, the panels and column-major weights
+equal the plain matmul and never serve stale weights."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from .test_weight_update import completions, fresh_completions, trainer_model
 
 LAYOUTS = [layout for layout in cpu_linear.candidate_layouts(torch.float32) if layout]
 ONEDNN = [layout for layout in LAYOUTS if layout == "onednn"]  # where oneDNN packs float32
+COPIES = [layout for layout in LAYOUTS if layout in cpu_linear.COPIES]
+PANELS = [layout for layout in LAYOUTS if layout == "panels"]  # where the C kernels build
 
 
 def packed_weights(llm: LLM) -> list[PackedWeight]:
@@ -42,8 +44,8 @@ def test_each_layout_equals_the_plain_matmul(rows, bias, layout):
     b = torch.randn(48, generator=generator) if bias else None
     x = torch.randn(rows, 40, generator=generator)
     layer = linear_layer(weight, b)
-    if layout == "onednn":
-        out = PackedWeight([layer])(x)
+    if layout in cpu_linear.COPIES:
+        out = PackedWeight([layer], layout)(x)
     else:
         cpu_linear.store_column_major(layer.weight, True)
         assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, weight)
@@ -51,8 +53,8 @@ def test_each_layout_equals_the_plain_matmul(rows, bias, layout):
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ONEDNN)
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("layout", COPIES)
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_layers_give_each_layers_output_side_by_side(rows, bias, layout):
     generator = torch.Generator().manual_seed(rows)
@@ -62,7 +64,8 @@ def test_fused_layers_give_each_layers_output_side_by_side(rows, bias, layout):
     x = torch.randn(rows, 40, generator=generator)
     expected = torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
     with torch.no_grad():
-        torch.testing.assert_close(PackedWeight(layers)(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(PackedWeight(layers, layout)(x), expected, rtol=1e-5,
+                                   atol=1e-5)
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
@@ -115,11 +118,36 @@ def test_a_packed_weight_multiplies_a_few_float32_rows_through_the_panels(rows, 
     assert len(calls) == (rows <= cpu_linear.PANEL_ROWS)
 
 
-@pytest.mark.parametrize("layout", ONEDNN)
-@pytest.mark.parametrize("rows", [8, 32])  # the panels, then oneDNN's copy
+@pytest.mark.parametrize("layout", PANELS)
+@pytest.mark.parametrize("rows", [1, 64, 700])  # 700 rows of 576: more than one tile of rows
+def test_the_panels_layout_multiplies_every_row_count_through_the_panels(rows, layout,
+                                                                        monkeypatch):
+    generator = torch.Generator().manual_seed(rows)
+    weight, b = torch.randn(40, 576, generator=generator), torch.randn(40, generator=generator)
+    packed = PackedWeight([linear_layer(weight, b)], layout)
+    x = torch.randn(rows, 2, 576, generator=generator)[:, 1]  # rows a stride apart
+    out = packed(x)
+    assert packed.weight is None  # no oneDNN copy beside the panels
+    torch.testing.assert_close(out, F.linear(x.double(), weight.double(), b.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+    batched = packed(x.reshape(rows, 1, 576).expand(rows, 3, 576))  # leading dimensions
+    assert batched.shape == (rows, 3, 40) and torch.equal(batched[:, 2], out)
+
+
+@pytest.mark.parametrize("layout", PANELS)
+def test_the_panels_refuse_other_dtypes_with_the_layout_to_use(layout):
+    layer = linear_layer(torch.randn(8, 16), None)
+    with pytest.raises(TypeError, match="float32 inputs"):
+        PackedWeight([layer], layout)(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="'onednn' layout"):
+        PackedWeight([layer.to(torch.bfloat16)], layout)(torch.randn(2, 16).bfloat16())
+
+
+@pytest.mark.parametrize("layout", COPIES)
+@pytest.mark.parametrize("rows", [8, 32])  # "onednn": the panels, then oneDNN's copy
 def test_packed_copy_follows_in_place_writes_and_new_storage(layout, rows):
     layers = [nn.Linear(16, 32, bias=False), nn.Linear(16, 8)]
-    packed, x = PackedWeight(layers), torch.randn(rows, 16)
+    packed, x = PackedWeight(layers, layout), torch.randn(rows, 16)
 
     def expected() -> torch.Tensor:
         return torch.cat([F.linear(x, layer.weight, layer.bias) for layer in layers], dim=-1)
@@ -143,7 +171,8 @@ def test_the_fastest_layout_is_the_least_time_relative_to_the_best_at_each_row_c
                ("onednn", 1): 2.5, ("onednn", 8): 3.3, ("onednn", 64): 4.0}
     monkeypatch.setattr(cpu_linear, "_pass_seconds",
                         lambda groups, layout, rows: seconds[layout, rows])
-    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: True)
+    monkeypatch.setattr(cpu_linear, "candidate_layouts",
+                        lambda dtype: [None, "transposed", "onednn"])
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
     # relative: 1.05 (2.5 + 1 + 1) against "transposed"'s 1 + 1 + 2.83
     seconds["onednn", 8], seconds["onednn", 64], seconds["transposed", 64] = 3.0, 1.8, 5.1
@@ -152,7 +181,11 @@ def test_the_fastest_layout_is_the_least_time_relative_to_the_best_at_each_row_c
         seconds["transposed", rows] = 10.0
     seconds[None, 1], seconds[None, 8], seconds[None, 64] = 2.55, 3.06, 1.836  # 2% slower:
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) is None  # no copy
-    monkeypatch.setattr(cpu_linear, "packs", lambda dtype: False)
+    monkeypatch.setattr(cpu_linear, "candidate_layouts", lambda dtype: [None, "panels"])
+    for rows, onednn in zip(cpu_linear.CALIBRATION_ROWS, (2.5, 3.0, 1.8), strict=True):
+        seconds["panels", rows] = onednn  # the panels are a copy too: the same margin
+    assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) is None
+    monkeypatch.setattr(cpu_linear, "candidate_layouts", lambda dtype: [None, "transposed"])
     seconds["transposed", 1], seconds["transposed", 8], seconds["transposed", 64] = 1, 3, 5
     seconds[None, 1], seconds[None, 8], seconds[None, 64] = 1.02, 3.06, 5.1
     assert cpu_linear.fastest_layout([[nn.Linear(4, 4)]], torch.float32) == "transposed"
@@ -192,7 +225,7 @@ def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):
     model = llm.engine.runner.model
     assert model.linear_layout in cpu_linear.candidate_layouts(torch.float32)
     assert len(packed_weights(llm)) == (4 * model.config.num_hidden_layers + 1  # + LM head
-                                        if model.linear_layout == "onednn" else 0)
+                                        if model.linear_layout in cpu_linear.COPIES else 0)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -202,11 +235,11 @@ def test_engine_lays_out_its_weights_and_an_update_reaches_them(llama_dir, tmp_p
     model.pack_linear_weights(layout)
     before = completions(llm)
     assert model.lm_head.weight.is_contiguous()  # tied to the embedding: never re-stored
-    assert (model.lm_head.packed is not None) == (layout == "onednn")
+    assert (model.lm_head.packed is not None) == (layout in cpu_linear.COPIES)
     packed = packed_weights(llm)  # per layer: q/k/v as one, o, gate/up as one, down; the head
     projections = [m.weight for m in model.modules()
                    if isinstance(m, nn.Linear) and m is not model.lm_head]
-    if layout == "onednn":
+    if layout in cpu_linear.COPIES:
         assert len(packed) == 4 * model.config.num_hidden_layers + 1
         assert {len(p.layers) for p in packed} == {1, 2, 3}
         assert all(p.key is not None for p in packed)

@@ -18,6 +18,11 @@ in ``benchmarks/matmul_floor.py``):
   step of a few sequences): there a projection is bound by reading its weight, which the
   panels stream at about the machine's read bandwidth, 1.1-1.6x faster than oneDNN, and
   with a shorter rounding chain (``benchmarks/matmul_floor.py``).
+- ``"panels"`` (float32, where the C kernels build): the panels alone, a copy that
+  ``cpu_linear.c`` multiplies at every row count, the rows in tiles that stay in L2. On an
+  AVX2 EPYC its 6-row register blocks beat oneDNN from 1 to 128 rows (1.15-1.9x) and tie
+  it beyond, with one copy of the weights instead of two and a shorter rounding chain in
+  the LM head at a GRPO step's 64 rows too.
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
 among them) on the model's own leading layers when the engine loads, so each machine gets
@@ -25,10 +30,11 @@ its own best. The choice is remembered in a JSON file per machine (CPU model, th
 version, dtype and the weights' shapes), so every later engine there takes the same layout:
 timing noise must not make two runs of one job differ in their last bits.
 
-A oneDNN copy is a cache: it is rebuilt whenever any of its weights' storage or version
-counter (bumped by every in-place write, such as a weight update's ``copy_``) changes, so it
-never serves stale weights. A weight whose values change without either (an aliased trainer
-tensor) must not be copied: the model drops its copies then (``pack_linear_weights(None)``).
+A copy (oneDNN's or the panels) is a cache: it is rebuilt whenever any of its weights'
+storage or version counter (bumped by every in-place write, such as a weight update's
+``copy_``) changes, so it never serves stale weights. A weight whose values change without
+either (an aliased trainer tensor) must not be copied: the model drops its copies then
+(``pack_linear_weights(None)``).
 """
 
 from __future__ import annotations
@@ -47,18 +53,19 @@ from torch import nn
 
 from . import cpu_build
 
-LAYOUTS = ("transposed", "onednn")
+LAYOUTS = ("transposed", "onednn", "panels")
+COPIES = ("onednn", "panels")  # the layouts that multiply through a copy (PackedWeight)
 # Decode steps of one sequence, of a few (a server's streams) and of a GRPO batch. Without the
 # middle one, an AVX2 EPYC where oneDNN ties F.linear at 1 and 64 rows but is 1.8x faster at 8
 # took F.linear, and with it the unpacked LM head (3x slower at 8 rows).
 CALIBRATION_ROWS = (1, 8, 64)
 CALIBRATION_REPEATS = 3
-# oneDNN's copy doubles the weights' memory: it must beat F.linear by more than the noise.
+# A copy doubles the weights' memory: it must beat F.linear by more than the noise.
 COPY_MARGIN = 1.05
-CHOICE_RULES = 4  # part of a remembered choice's key: bumped when what is timed changes
+CHOICE_RULES = 5  # part of a remembered choice's key: bumped when what is timed changes
 PANEL = 16  # output rows per panel, as cpu_linear.c's PANEL
-# Up to this many rows, float32 multiplies through the panels (cpu_linear.c): faster than
-# oneDNN while the weight's bytes bound the time; at 64 rows they tie.
+# In the "onednn" layout, float32 multiplies through the panels up to this many rows: on
+# an AVX2 EPYC faster than oneDNN while the weight's bytes bound the time.
 PANEL_ROWS = 16
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
@@ -74,9 +81,12 @@ def packs(dtype: torch.dtype) -> bool:
 
 
 def candidate_layouts(dtype: torch.dtype) -> list[str | None]:
-    """The layouts worth timing for ``dtype``: none (``F.linear``), ``"transposed"``, and
-    ``"onednn"`` where oneDNN packs the dtype."""
-    return [None, "transposed", *(["onednn"] if packs(dtype) else [])]
+    """The layouts worth timing for ``dtype``: none (``F.linear``), ``"transposed"``,
+    ``"onednn"`` where oneDNN packs the dtype, ``"panels"`` for float32 where the C kernels
+    build."""
+    panels = dtype == torch.float32 and cpu_build.available()
+    return [None, "transposed", *(["onednn"] if packs(dtype) else []),
+            *(["panels"] if panels else [])]
 
 
 def column_major(tensor: torch.Tensor) -> torch.Tensor:
@@ -117,34 +127,44 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
 
 
 class PackedWeight:
-    """oneDNN's packed copy of the weights of one or more linear layers that read the same
-    input (q/k/v, gate/up), stacked along their outputs, with their biases, and in float32
-    their panels (``panel_layout``); rebuilt whenever any of them changes. Calling it
-    multiplies by all of them at once."""
+    """A copy of the weights of one or more linear layers that read the same input (q/k/v,
+    gate/up), stacked along their outputs, with their biases, in ``layout`` (one of
+    ``COPIES``): ``"onednn"``, oneDNN's packed copy and in float32 also the panels
+    (``panel_layout``) for up to ``PANEL_ROWS`` rows; ``"panels"``, the panels alone (float32
+    weights). Rebuilt whenever any of the layers changes. Calling it multiplies by all of
+    them at once."""
 
-    __slots__ = ("layers", "out_features", "key", "weight", "bias", "panels")
+    __slots__ = ("layers", "layout", "out_features", "key", "weight", "bias", "panels")
 
-    def __init__(self, layers: Sequence[nn.Linear]) -> None:
+    def __init__(self, layers: Sequence[nn.Linear], layout: str = "onednn") -> None:
+        if layout not in COPIES:
+            raise ValueError(f"layout {layout!r} is not a copy: use one of {COPIES}")
         self.layers = tuple(layers)
+        self.layout = layout
         self.out_features = sum(layer.out_features for layer in self.layers)
         self.key: tuple[tuple[int, int], ...] | None = None
-        self.weight = torch.empty(0)
+        self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
 
-    def current(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The weight copy and the stacked bias (None without) as the layers are now."""
+    def current(self) -> torch.Tensor | None:
+        """Refresh the copies if the layers changed; the stacked bias (None without)."""
         params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
         key = tuple((p.data_ptr(), p._version) for p in params)
         if key != self.key:
             weights = [layer.weight.detach() for layer in self.layers]
             stacked = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None)
+            onednn = self.layout == "onednn"
+            if not onednn and stacked.dtype != torch.float32:
+                raise TypeError(f"the panels take float32 weights, not {stacked.dtype}: "
+                                "use the 'onednn' layout")
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None) if onednn \
+                else None
             self.bias = self._stacked_bias()
-            self.panels = panel_layout(stacked) if stacked.dtype == torch.float32 \
-                and cpu_build.available() else None
+            self.panels = panel_layout(stacked) if not onednn or (
+                stacked.dtype == torch.float32 and cpu_build.available()) else None
             self.key = key
-        return self.weight, self.bias
+        return self.bias
 
     def _stacked_bias(self) -> torch.Tensor | None:
         """The layers' biases end to end (zeros for a layer without), None if none has one."""
@@ -154,13 +174,19 @@ class PackedWeight:
                           else layer.bias.detach() for layer in self.layers])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W^T + b`` for ``x`` ``[rows, in]``, W and b the layers' stacked weights and
+        """``x @ W^T + b`` for ``x`` ``[..., in]``, W and b the layers' stacked weights and
         biases: their outputs side by side."""
-        weight, bias = self.current()
-        if (self.panels is not None and x.dim() == 2 and x.shape[0] <= PANEL_ROWS
-                and x.dtype == torch.float32 and x.stride(-1) == 1):
-            return panel_linear(x, self.panels, self.out_features, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        bias = self.current()
+        if self.weight is not None and (self.panels is None or x.dtype != torch.float32
+                                        or x.numel() > PANEL_ROWS * x.shape[-1]):
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        if x.dtype != torch.float32:
+            raise TypeError(f"the panels multiply float32 inputs, not {x.dtype}")
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        out = panel_linear(rows, self.panels, self.out_features, bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,
@@ -168,10 +194,10 @@ def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,
     """The candidate layout (``candidate_layouts``) that multiplies ``groups`` (each a list
     of layers reading the same input, multiplied as one) fastest: the least sum over
     ``CALIBRATION_ROWS`` of its seconds per pass relative to the fastest candidate's at
-    that row count, so no row count dominates; ``"onednn"``, which copies the weights, must
-    be ``COPY_MARGIN`` faster than ``F.linear`` on them. With ``remembered`` (a JSON file), a
-    choice made before on this machine for the same shapes is taken untimed, and a new one
-    is written there."""
+    that row count, so no row count dominates; a layout that copies the weights
+    (``COPIES``) must be ``COPY_MARGIN`` faster than ``F.linear`` on them. With
+    ``remembered`` (a JSON file), a choice made before on this machine for the same shapes
+    is taken untimed, and a new one is written there."""
     key = _machine_key(groups, dtype)
     choices = _read_choices(remembered)
     if key in choices:
@@ -187,7 +213,7 @@ def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> 
     seconds = {layout: [_pass_seconds(groups, layout, rows) for rows in CALIBRATION_ROWS]
                for layout in candidates}
     best = [min(times[i] for times in seconds.values()) for i in range(len(CALIBRATION_ROWS))]
-    return min(candidates, key=lambda layout: (COPY_MARGIN if layout == "onednn" else 1.0) * sum(
+    return min(candidates, key=lambda layout: (COPY_MARGIN if layout in COPIES else 1.0) * sum(
         t / b for t, b in zip(seconds[layout], best, strict=True)))
 
 
@@ -222,8 +248,8 @@ def _pass_seconds(groups: Sequence[Sequence[nn.Linear]], layout: str | None, row
     inputs = {layer.in_features: torch.randn(rows, layer.in_features, dtype=weight.dtype,
                                              device=weight.device)
               for group in groups for layer in group}
-    if layout == "onednn":
-        calls = [PackedWeight(group) for group in groups]
+    if layout in COPIES:
+        calls = [PackedWeight(group, layout) for group in groups]
         sizes = [group[0].in_features for group in groups]
     else:
         weights = [(column_major(layer.weight.detach()) if layout else layer.weight,

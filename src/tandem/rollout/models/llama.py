@@ -290,8 +290,9 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linear_weights(self, layout: str | None) -> None:
         """Multiply every projection in ``layout`` (one of ``cpu_linear.LAYOUTS``):
-        ``"transposed"`` re-stores each weight column-major in place, ``"onednn"``
-        multiplies through packed copies, q/k/v and gate/up each as one matrix; None
+        ``"transposed"`` re-stores each weight column-major in place, ``"onednn"`` and
+        ``"panels"`` multiply through copies (``PackedWeight``), q/k/v and gate/up each as
+        one matrix; None
         through the row-major weights themselves (an aliased weight changes in place
         unseen, so it must never be copied). The LM head is packed with the projections:
         ``F.linear``'s own last bits change with the row count (MKL blocks each shape its
@@ -300,16 +301,16 @@ class LlamaForCausalLM(nn.Module):
         --role lm_head``)."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
-        onednn = layout == "onednn"
+        copied = layout in cpu_linear.COPIES
         for module in self.modules():
             if not isinstance(module, Linear):
                 continue
             alone = id(module) not in in_fused
             if module is not self.lm_head:  # tied to the embedding: never re-stored
                 cpu_linear.store_column_major(module.weight, layout == "transposed")
-            module.packed = PackedWeight([module]) if alone and onednn else None
+            module.packed = PackedWeight([module], layout) if alone and copied else None
         for group in fused:
-            group.packed = PackedWeight(group.layers) if onednn else None
+            group.packed = PackedWeight(group.layers, layout) if copied else None
         self.linear_layout = layout
 
     def fastest_linear_layout(self) -> str | None:
