@@ -12,8 +12,9 @@ time, and the fastest kernel's is the floor's. Kernels:
 - ``oneDNN packed``: the weight reordered once into oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``), then ``torch.ops.mkldnn._linear_pointwise``
   (where oneDNN packs the dtype: float32, and bfloat16 only with AVX-512 or AVX-NE-CONVERT);
-- ``panels (C)``: Tandem's own ``cpu_linear.c`` on the weight in panels, in float32 (where
-  the C kernels build), at any row count (the engine takes it up to ``PANEL_ROWS``).
+- ``panels (C)``: Tandem's own ``cpu_linear.c`` on the weight in panels, in float32 or
+  bfloat16 (where the C kernels build), at any row count (the ``"panels"`` layout; the
+  ``"onednn"`` one takes them up to ``PANEL_ROWS`` rows in float32).
 
 A run's floor sums, over its steps, each shape's fastest time at the step's row count,
 interpolated linearly in the row count between the two nearest sweep points (exact at them).
@@ -63,7 +64,7 @@ def kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Apply]]:
     if packs(dtype):
         found["oneDNN packed"] = lambda w: (lambda p: lambda x: torch.ops.mkldnn._linear_pointwise(
             x, p, None, "none", [], ""))(torch.ops.mkldnn._reorder_linear_weight(w, None))
-    if dtype == torch.float32 and cpu_build.available():
+    if dtype in cpu_build.DTYPES and cpu_build.available():
         found["panels (C)"] = lambda w: (lambda p: lambda x: panel_linear(x, p, w.shape[0], None))(
             panel_layout(w))
     return found

@@ -12,6 +12,7 @@ from torch import nn
 
 from tandem.kernels import cpu_build, cpu_linear
 from tandem.kernels.cpu_linear import PackedWeight
+from tandem.kernels.testing import TOLERANCE, relative_error
 from tandem.rollout import LLM
 
 from .test_weight_update import completions, fresh_completions, trainer_model
@@ -71,16 +72,23 @@ def test_fused_layers_give_each_layers_output_side_by_side(rows, bias, layout):
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17])
 @pytest.mark.parametrize(("out_features", "bias"), [(37, True), (48, False), (5, False)])
-def test_the_panel_kernel_equals_the_float64_matmul(rows, out_features, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_panel_kernel_equals_the_float64_matmul(rows, out_features, bias, dtype):
     # Outputs not a multiple of the panel (a padded last panel) and inputs not a multiple
     # of the accumulation block; rows through every unrolled row count and their tails.
+    # bfloat16: the float64 result of the same bfloat16 values, rounded once.
     generator = torch.Generator().manual_seed(rows)
-    weight = torch.randn(out_features, 100, generator=generator)
-    b = torch.randn(out_features, generator=generator) if bias else None
-    x = torch.randn(rows, 100, generator=generator)
+    weight = torch.randn(out_features, 100, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, 100, generator=generator).to(dtype)
     out = cpu_linear.panel_linear(x, cpu_linear.panel_layout(weight), out_features, b)
     expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-5)
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-5)
+    else:  # within one bfloat16 unit in the last place of the rounded exact result
+        ulp = expected.abs().clamp_min(1e-3) * 2.0**-7
+        assert ((out.double() - expected).abs() <= ulp).all()
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
@@ -120,16 +128,17 @@ def test_a_packed_weight_multiplies_a_few_float32_rows_through_the_panels(rows, 
 
 @pytest.mark.parametrize("layout", PANELS)
 @pytest.mark.parametrize("rows", [1, 64, 700])  # 700 rows of 576: more than one tile of rows
-def test_the_panels_layout_multiplies_every_row_count_through_the_panels(rows, layout,
-                                                                        monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_panels_layout_multiplies_every_row_count_through_the_panels(rows, layout, dtype):
     generator = torch.Generator().manual_seed(rows)
     weight, b = torch.randn(40, 576, generator=generator), torch.randn(40, generator=generator)
-    packed = PackedWeight([linear_layer(weight, b)], layout)
-    x = torch.randn(rows, 2, 576, generator=generator)[:, 1]  # rows a stride apart
+    layer = linear_layer(weight, b).to(dtype)
+    packed = PackedWeight([layer], layout)
+    x = torch.randn(rows, 2, 576, generator=generator)[:, 1].to(dtype)  # rows a stride apart
     out = packed(x)
-    assert packed.weight is None  # no oneDNN copy beside the panels
-    torch.testing.assert_close(out, F.linear(x.double(), weight.double(), b.double()).float(),
-                               rtol=1e-5, atol=1e-4)
+    assert packed.weight is None and out.dtype == dtype  # no oneDNN copy beside the panels
+    expected = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert relative_error(out, expected) < TOLERANCE[dtype]
     batched = packed(x.reshape(rows, 1, 576).expand(rows, 3, 576))  # leading dimensions
     assert batched.shape == (rows, 3, 40) and torch.equal(batched[:, 2], out)
 
@@ -137,10 +146,10 @@ def test_the_panels_layout_multiplies_every_row_count_through_the_panels(rows, l
 @pytest.mark.parametrize("layout", PANELS)
 def test_the_panels_refuse_other_dtypes_with_the_layout_to_use(layout):
     layer = linear_layer(torch.randn(8, 16), None)
-    with pytest.raises(TypeError, match="float32 inputs"):
-        PackedWeight([layer], layout)(torch.randn(2, 16, dtype=torch.float64))
-    with pytest.raises(TypeError, match="'onednn' layout"):
-        PackedWeight([layer.to(torch.bfloat16)], layout)(torch.randn(2, 16).bfloat16())
+    with pytest.raises(TypeError, match="float32 inputs, not torch.bfloat16"):
+        PackedWeight([layer], layout)(torch.randn(2, 16, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="plain F.linear"):
+        PackedWeight([layer.to(torch.float16)], layout)(torch.randn(2, 16).half())
 
 
 @pytest.mark.parametrize("layout", COPIES)

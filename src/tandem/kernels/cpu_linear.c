@@ -1,10 +1,15 @@
-/* A linear layer for the few rows of a decode step, in float32: out = x W^T (+ bias).
+/* A linear layer in float32 or bfloat16: out = x W^T (+ bias), W stored in panels.
  *
- * At 1 to 16 rows a projection is bound by reading its weight, and oneDNN's packed matmul
- * reads it at well under the machine's bandwidth (about 40% on a 2-core EPYC). Here the
- * weight is stored as panels of PANEL output rows, each panel `[in][PANEL]` contiguous
+ * The weight is stored as panels of PANEL output rows, each panel `[in][PANEL]` contiguous
  * (panel_layout in cpu_linear.py), so one pass streams it front to back: each thread takes
- * whole panels, and every row of x multiplies a panel while it is in cache.
+ * whole panels, and every row of x multiplies a panel while it is in cache. At 1 to 16 rows
+ * a projection is bound by reading its weight, which oneDNN's packed matmul reads at well
+ * under the machine's bandwidth (about 40% on a 2-core EPYC); at more rows it is bound by
+ * the multiply-adds, which a register block of BLOCK_ROWS rows x PANEL outputs feeds.
+ *
+ * bfloat16 (x, W, bias and out all bfloat16) is converted to float32 as it is loaded and
+ * rounded once at the store, as torch's bfloat16 matmul does: on a CPU without bfloat16
+ * instructions (AVX2) torch's own bfloat16 F.linear ran at 13-18 GFLOP/s, a tenth of this.
  *
  * Each output is a sum over `in` accumulated in blocks of K_BLOCK products, the blocks then
  * added: a rounding chain of K_BLOCK + in / K_BLOCK additions instead of `in` (one long
@@ -12,7 +17,10 @@
  * loaded by cpu_build.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 
 #define PANEL 16
 #define K_BLOCK 64
@@ -28,19 +36,42 @@
 #define VECTORS (PANEL / LANES)
 
 typedef float vfloat __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vuint __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 
-static inline vfloat load_vector(const float *from) {
+/* LANES elements from element `index` of `from` (bfloat16 when `bf16`), as float32. */
+static inline vfloat load_vector(const void *from, int64_t index, const int bf16) {
     vfloat value;
-    memcpy(&value, from, sizeof value);
+    if (!bf16) {
+        memcpy(&value, (const float *)from + index, sizeof value);
+        return value;
+    }
+    vhalf half;
+    memcpy(&half, (const uint16_t *)from + index, sizeof half);
+    const vuint wide = __builtin_convertvector(half, vuint) << 16;
+    memcpy(&value, &wide, sizeof value);
     return value;
 }
 
-/* Rows [0, rows) of x (rows <= BLOCK_ROWS, a constant once inlined) times one panel:
- * out[m][j] for j < width (the last panel may be partial: its padding columns are zero
- * weights, never written). */
+static inline float load_scalar(const void *from, int64_t index, const int bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t *)from)[index]) : ((const float *)from)[index];
+}
+
+static inline void store_scalar(void *to, int64_t index, float value, const int bf16) {
+    if (bf16)
+        ((uint16_t *)to)[index] = float_to_bf16(value);
+    else
+        ((float *)to)[index] = value;
+}
+
+/* Rows [0, rows) of float32 x (row m at x + m * x_stride; rows <= BLOCK_ROWS) times
+ * the panel at element `panel` of `panels`: out[m][column + j] (row m at element
+ * out_first + m * out_stride) for j < width (the last panel may be partial: its padding
+ * columns are zero weights, never written). `rows` and `bf16` are constants once inlined. */
 static inline __attribute__((always_inline)) void panel_rows(
-        const float *x, int64_t x_stride, const float *panel, int64_t in, const float *bias,
-        float *out, int64_t out_stride, int width, const int rows) {
+        const float *x, int64_t x_stride, const void *panels, int64_t panel,
+        int64_t in, const void *bias, int64_t column, void *out, int64_t out_first,
+        int64_t out_stride, int width, const int rows, const int bf16) {
     vfloat total[BLOCK_ROWS][VECTORS] = {{{0}}};
     for (int64_t start = 0; start < in; start += K_BLOCK) {
         const int64_t stop = start + K_BLOCK < in ? start + K_BLOCK : in;
@@ -48,7 +79,7 @@ static inline __attribute__((always_inline)) void panel_rows(
         for (int64_t k = start; k < stop; k++) {
             vfloat w[VECTORS];
             for (int v = 0; v < VECTORS; v++)
-                w[v] = load_vector(panel + k * PANEL + v * LANES);
+                w[v] = load_vector(panels, panel + k * PANEL + v * LANES, bf16);
             for (int m = 0; m < rows; m++) {
                 const vfloat value = (vfloat){0} + x[m * x_stride + k];
                 for (int v = 0; v < VECTORS; v++)
@@ -62,52 +93,72 @@ static inline __attribute__((always_inline)) void panel_rows(
     for (int m = 0; m < rows; m++) {
         float sums[PANEL];
         memcpy(sums, total[m], sizeof sums);
-        for (int j = 0; j < width; j++)
-            out[m * out_stride + j] = sums[j] + (bias ? bias[j] : 0.0f);
+        for (int j = 0; j < width; j++) {
+            const float b = bias ? load_scalar(bias, column + j, bf16) : 0.0f;
+            store_scalar(out, out_first + m * out_stride + column + j, sums[j] + b, bf16);
+        }
     }
 }
 
-/* Rows [0, rows) of x times panel p of W, BLOCK_ROWS at a time, then the tail. */
-static void panel_times_rows(const float *x, int64_t x_stride, int64_t rows, int64_t in,
-                             const float *panels, int64_t p, int64_t out_features,
-                             const float *bias, float *out, int64_t out_stride) {
-    const float *panel = panels + p * in * PANEL;
-    const float *panel_bias = bias ? bias + p * PANEL : 0;
-    const int64_t column = p * PANEL;
+/* Rows [first, first + rows) of x times panel p of W, BLOCK_ROWS at a time, then 4, 2, 1. */
+static inline __attribute__((always_inline)) void panel_times_rows(
+        const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
+        const void *panels, int64_t p, int64_t out_features, const void *bias, void *out,
+        int64_t out_stride, const int bf16) {
+    const int64_t panel = p * in * PANEL, column = p * PANEL, stop = first + rows;
     const int width = out_features - column < PANEL ? (int)(out_features - column) : PANEL;
-    out += column;
-    int64_t r = 0;
-    for (; r + BLOCK_ROWS <= rows; r += BLOCK_ROWS)
-        panel_rows(x + r * x_stride, x_stride, panel, in, panel_bias, out + r * out_stride,
-                   out_stride, width, BLOCK_ROWS);
-    for (; r + 4 <= rows; r += 4)
-        panel_rows(x + r * x_stride, x_stride, panel, in, panel_bias, out + r * out_stride,
-                   out_stride, width, 4);
-    for (; r + 2 <= rows; r += 2)
-        panel_rows(x + r * x_stride, x_stride, panel, in, panel_bias, out + r * out_stride,
-                   out_stride, width, 2);
-    for (; r < rows; r++)
-        panel_rows(x + r * x_stride, x_stride, panel, in, panel_bias, out + r * out_stride,
-                   out_stride, width, 1);
+    int64_t r = first;
+    for (; r + BLOCK_ROWS <= stop; r += BLOCK_ROWS)
+        panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
+                   r * out_stride, out_stride, width, BLOCK_ROWS, bf16);
+    for (; r + 4 <= stop; r += 4)
+        panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
+                   r * out_stride, out_stride, width, 4, bf16);
+    for (; r + 2 <= stop; r += 2)
+        panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
+                   r * out_stride, out_stride, width, 2, bf16);
+    for (; r < stop; r++)
+        panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
+                   r * out_stride, out_stride, width, 1, bf16);
 }
 
 /* out [rows, out_features] (rows out_stride apart) = x [rows, in] (x_stride apart) times the
- * panels of W [out_features, in], plus bias (NULL: none). The rows go in tiles of about
- * X_TILE_BYTES, so that every panel multiplies a tile that stays in the core's L2 cache: a
- * prefill's 564 x 576 floats do not, and streaming them once per panel from L3 cost 10%. */
+ * panels of W [out_features, in], plus bias (NULL: none), all float32, or all bfloat16 when
+ * `bf16`: then x is converted to float32 first, once (converting each element where it is
+ * multiplied, once per panel, held the kernel to half its float32 speed). The rows go in
+ * tiles of about X_TILE_BYTES, so that every panel multiplies a tile that stays in the
+ * core's L2 cache. Returns 0, or -1 when the float32 copy of x could not be allocated. */
 #define X_TILE_BYTES (256 * 1024)
-void tandem_panel_linear(const float *x, int64_t x_stride, int64_t rows, int64_t in,
-                         const float *panels, int64_t out_features, const float *bias,
-                         float *out, int64_t out_stride, int32_t num_threads) {
+int32_t tandem_panel_linear(const void *x, int64_t x_stride, int64_t rows, int64_t in,
+                            const void *panels, int64_t out_features, const void *bias,
+                            void *out, int64_t out_stride, int32_t bf16, int32_t num_threads) {
     const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
     int64_t tile = X_TILE_BYTES / (in * (int64_t)sizeof(float)) / BLOCK_ROWS * BLOCK_ROWS;
     tile = tile < BLOCK_ROWS ? BLOCK_ROWS : tile;
+    float *converted = NULL;
+    if (bf16) {
+        converted = malloc(sizeof(float) * rows * in);
+        if (converted == NULL)
+            return -1;
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t k = 0; k < in; k++)
+                converted[r * in + k] = load_scalar(x, r * x_stride + k, 1);
+        x_stride = in;
+    }
+    const float *x32 = bf16 ? converted : (const float *)x;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t first = 0; first < rows; first += tile) {
         const int64_t count = rows - first < tile ? rows - first : tile;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++)
-            panel_times_rows(x + first * x_stride, x_stride, count, in, panels, p,
-                             out_features, bias, out + first * out_stride, out_stride);
+        for (int64_t p = 0; p < num_panels; p++) {
+            if (bf16)
+                panel_times_rows(x32, x_stride, first, count, in, panels, p, out_features, bias,
+                                 out, out_stride, 1);
+            else
+                panel_times_rows(x32, x_stride, first, count, in, panels, p, out_features, bias,
+                                 out, out_stride, 0);
+        }
     }
+    free(converted);
+    return 0;
 }

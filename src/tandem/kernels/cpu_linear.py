@@ -18,11 +18,12 @@ in ``benchmarks/matmul_floor.py``):
   step of a few sequences): there a projection is bound by reading its weight, which the
   panels stream at about the machine's read bandwidth, 1.1-1.6x faster than oneDNN, and
   with a shorter rounding chain (``benchmarks/matmul_floor.py``).
-- ``"panels"`` (float32, where the C kernels build): the panels alone, a copy that
-  ``cpu_linear.c`` multiplies at every row count, the rows in tiles that stay in L2. On an
-  AVX2 EPYC its 6-row register blocks beat oneDNN from 1 to 128 rows (1.15-1.9x) and tie
-  it beyond, with one copy of the weights instead of two and a shorter rounding chain in
-  the LM head at a GRPO step's 64 rows too.
+- ``"panels"`` (float32 or bfloat16, where the C kernels build): the panels alone, a copy
+  that ``cpu_linear.c`` multiplies at every row count, the rows in tiles that stay in L2.
+  On an AVX2 EPYC its 6-row register blocks beat oneDNN from 1 to 128 rows (1.15-1.9x) and
+  tie it beyond, with one copy of the weights instead of two and a shorter rounding chain
+  in the LM head at a GRPO step's 64 rows too; in bfloat16, which that CPU's oneDNN does
+  not pack, they convert as they load and run about 7x faster than ``F.linear``.
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
 among them) on the model's own leading layers when the engine loads, so each machine gets
@@ -82,9 +83,9 @@ def packs(dtype: torch.dtype) -> bool:
 
 def candidate_layouts(dtype: torch.dtype) -> list[str | None]:
     """The layouts worth timing for ``dtype``: none (``F.linear``), ``"transposed"``,
-    ``"onednn"`` where oneDNN packs the dtype, ``"panels"`` for float32 where the C kernels
-    build."""
-    panels = dtype == torch.float32 and cpu_build.available()
+    ``"onednn"`` where oneDNN packs the dtype, ``"panels"`` for float32 and bfloat16 where
+    the C kernels build."""
+    panels = dtype in cpu_build.DTYPES and cpu_build.available()
     return [None, "transposed", *(["onednn"] if packs(dtype) else []),
             *(["panels"] if panels else [])]
 
@@ -115,14 +116,22 @@ def panel_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    """``x W^T + b`` for float32 ``x`` ``[rows, in]`` (its last dimension contiguous), W
-    given as ``panel_layout(W)``, by the compiled kernel."""
+    """``x W^T + b`` for ``x`` ``[rows, in]`` (its last dimension contiguous), W given as
+    ``panel_layout(W)`` and b, all float32 or all bfloat16 (``cpu_build.DTYPES``), by the
+    compiled kernel.
+
+    Raises:
+        MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
+    """
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = cpu_build.kernel("tandem_panel_linear", (
-        _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int32))
-    kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), out_features,
-           None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-           torch.get_num_threads())
+        _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int32,
+        ctypes.c_int32), ctypes.c_int32)
+    status = kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(),
+                    out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
+                    out_features, cpu_build.DTYPES[x.dtype], torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the panel kernel could not allocate its float32 copy of the input")
     return out
 
 
@@ -131,8 +140,8 @@ class PackedWeight:
     gate/up), stacked along their outputs, with their biases, in ``layout`` (one of
     ``COPIES``): ``"onednn"``, oneDNN's packed copy and in float32 also the panels
     (``panel_layout``) for up to ``PANEL_ROWS`` rows; ``"panels"``, the panels alone (float32
-    weights). Rebuilt whenever any of the layers changes. Calling it multiplies by all of
-    them at once."""
+    or bfloat16 weights, ``cpu_build.DTYPES``). Rebuilt whenever any of the layers changes.
+    Calling it multiplies by all of them at once."""
 
     __slots__ = ("layers", "layout", "out_features", "key", "weight", "bias", "panels")
 
@@ -155,9 +164,9 @@ class PackedWeight:
             weights = [layer.weight.detach() for layer in self.layers]
             stacked = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
             onednn = self.layout == "onednn"
-            if not onednn and stacked.dtype != torch.float32:
-                raise TypeError(f"the panels take float32 weights, not {stacked.dtype}: "
-                                "use the 'onednn' layout")
+            if not onednn and stacked.dtype not in cpu_build.DTYPES:
+                raise TypeError(f"the panels take float32 or bfloat16 weights, not "
+                                f"{stacked.dtype}: use plain F.linear (layout None)")
             self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None) if onednn \
                 else None
             self.bias = self._stacked_bias()
@@ -177,11 +186,11 @@ class PackedWeight:
         """``x @ W^T + b`` for ``x`` ``[..., in]``, W and b the layers' stacked weights and
         biases: their outputs side by side."""
         bias = self.current()
-        if self.weight is not None and (self.panels is None or x.dtype != torch.float32
+        if self.weight is not None and (self.panels is None or x.dtype != self.panels.dtype
                                         or x.numel() > PANEL_ROWS * x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        if x.dtype != torch.float32:
-            raise TypeError(f"the panels multiply float32 inputs, not {x.dtype}")
+        if x.dtype != self.panels.dtype:
+            raise TypeError(f"the panels multiply {self.panels.dtype} inputs, not {x.dtype}")
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
