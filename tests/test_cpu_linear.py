@@ -229,6 +229,25 @@ def test_a_layout_chosen_once_is_remembered_for_the_same_machine_and_shapes(monk
     assert len(timed) == 4 and len(json.loads(remembered.read_text())) == 1
 
 
+def test_a_new_candidate_or_changed_kernels_are_timed_anew(monkeypatch, tmp_path):
+    # A choice among the old candidates (made before the panels took bfloat16) must not
+    # shadow a layout added since, nor a choice timed on other kernel code.
+    timed = []
+    monkeypatch.setattr(cpu_linear, "_timed_choice",
+                        lambda groups, dtype: timed.append(dtype) or None)
+    remembered, layers = tmp_path / "layouts.json", [[nn.Linear(4, 8)]]
+    monkeypatch.setattr(cpu_linear, "candidate_layouts", lambda dtype: [None, "transposed"])
+    monkeypatch.setattr(cpu_build, "library_key", lambda: "kernels-1")
+    cpu_linear.fastest_layout(layers, torch.float32, remembered)
+    cpu_linear.fastest_layout(layers, torch.float32, remembered)
+    monkeypatch.setattr(cpu_linear, "candidate_layouts",
+                        lambda dtype: [None, "transposed", "panels"])
+    cpu_linear.fastest_layout(layers, torch.float32, remembered)
+    monkeypatch.setattr(cpu_build, "library_key", lambda: "kernels-2")
+    cpu_linear.fastest_layout(layers, torch.float32, remembered)
+    assert len(timed) == 3
+
+
 def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):
     llm = LLM(str(llama_dir))
     model = llm.engine.runner.model

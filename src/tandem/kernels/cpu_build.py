@@ -59,12 +59,22 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+def _key(compiler: str) -> str:
+    """A digest of what the library's code depends on: sources, headers, flags, CPU."""
+    parts = [path.read_bytes() for path in SOURCES + HEADERS]
+    return hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), compiler.encode(),
+                                       cpu_name().encode()])).hexdigest()[:24]
+
+
+def library_key() -> str | None:
+    """The digest naming the library in use, None where it does not build: a timing of
+    the kernels is only valid for the code it timed."""
+    return _key(_compiler()) if available() else None
+
+
 def _build(compiler: str) -> Path:
     """The shared library, compiled unless these sources, headers, flags and CPU have one."""
-    parts = [path.read_bytes() for path in SOURCES + HEADERS]
-    key = hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), compiler.encode(),
-                                      cpu_name().encode()])).hexdigest()
-    library = cache_dir() / "kernels" / f"tandem_cpu-{key[:24]}.so"
+    library = cache_dir() / "kernels" / f"tandem_cpu-{_key(compiler)}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         staged = library.with_name(f"{library.name}.{os.getpid()}.tmp")

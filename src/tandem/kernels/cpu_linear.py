@@ -227,10 +227,13 @@ def _timed_choice(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> 
 
 
 def _machine_key(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype) -> str:
-    """A digest of what the timing depends on: the CPU, threads, torch, dtype and shapes."""
+    """A digest of what the timing depends on: the CPU, threads, torch, dtype, shapes, the
+    candidates and the compiled kernels' code (a layout added or a kernel changed is timed
+    anew, not shadowed by a choice among the old ones)."""
     shapes = [[list(layer.weight.shape) for layer in group] for group in groups]
     parts = [cpu_build.cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
-             str(dtype), shapes, CHOICE_RULES]
+             str(dtype), shapes, CHOICE_RULES, candidate_layouts(dtype),
+             cpu_build.library_key()]
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
