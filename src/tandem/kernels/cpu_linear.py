@@ -28,7 +28,8 @@ in ``benchmarks/matmul_floor.py``):
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
 among them) on the model's own leading layers when the engine loads, so each machine gets
 its own best. The choice is remembered in a JSON file per machine (CPU model, threads, torch
-version, dtype and the weights' shapes), so every later engine there takes the same layout:
+version, dtype, the weights' shapes, the candidates and the compiled kernels' code), so
+every later engine there takes the same layout:
 timing noise must not make two runs of one job differ in their last bits.
 
 A copy (oneDNN's or the panels) is a cache: it is rebuilt whenever any of its weights'
