@@ -19,7 +19,8 @@ time, and the fastest kernel's is the floor's. Kernels:
 A run's floor sums, over its steps, each shape's fastest time at the step's row count,
 interpolated linearly in the row count between the two nearest sweep points (exact at them).
 Attention, norms, rotary embedding and sampling are left out: the floor is the matmul work
-alone, which no engine avoids.
+alone, which no engine avoids. A kernel ``DROPPED_BEHIND`` times slower than the fastest at
+a row count is not timed at larger ones ("-" in the table).
 
 Run::
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,6 +55,10 @@ from tandem.kernels.cpu_linear import packs, panel_layout, panel_linear
 Apply = Callable[[torch.Tensor], torch.Tensor]
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PASSES = 3
+# A kernel this many times slower than the fastest at a row count is not timed at more rows
+# (its column reads "-"): on an AVX2 CPU, bfloat16 `mm W^T` ran at 1 GFLOP/s, and timing it
+# up to 1024 rows took longer than the benchmark it served.
+DROPPED_BEHIND = 8.0
 
 
 def kernels(dtype: torch.dtype) -> dict[str, Callable[[torch.Tensor], Apply]]:
@@ -107,12 +113,18 @@ class MatmulFloor:
         floor = cls({role: groups[role]} if role else groups, tuple(sorted(sweep)))
         dtype = next(iter(floor.groups.values()))[0].dtype
         with torch.inference_mode():
-            for kernel, prepare in kernels(dtype).items():
-                for role, weights in floor.groups.items():
-                    applies = [prepare(w) for w in weights]
-                    for rows in floor.sweep:
-                        x = torch.randn(rows, weights[0].shape[1], dtype=dtype)
-                        floor.seconds[kernel, role, rows] = pass_seconds(applies, x)
+            for role, weights in floor.groups.items():
+                applies = {kernel: [prepare(w) for w in weights]
+                           for kernel, prepare in kernels(dtype).items()}
+                for rows in floor.sweep:
+                    x = torch.randn(rows, weights[0].shape[1], dtype=dtype)
+                    for kernel, calls in applies.items():
+                        floor.seconds[kernel, role, rows] = pass_seconds(calls, x) \
+                            if calls else math.inf
+                    fastest = floor.fastest(role, rows)
+                    for kernel in applies:  # far behind: not timed at more rows
+                        if floor.seconds[kernel, role, rows] > DROPPED_BEHIND * fastest:
+                            applies[kernel] = []
         return floor
 
     def kernel_names(self) -> list[str]:
@@ -161,7 +173,8 @@ class MatmulFloor:
             floor = sum(self.fastest(r, rows) for r in roles)
             best = names[per_kernel.index(min(per_kernel))]
             flops = self.flops(rows, roles)
-            rows_out.append((str(rows), *(f"{flops / s / 1e9:.1f}" for s in per_kernel),
+            rows_out.append((str(rows), *(f"{flops / s / 1e9:.1f}" if s < math.inf else "-"
+                                          for s in per_kernel),
                              f"{flops / floor / 1e9:.1f}", best))
         return rows_out
 
