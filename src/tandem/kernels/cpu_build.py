@@ -59,6 +59,7 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
 
 
+@functools.cache  # the key of the library this process loads, read from disk once
 def _key(compiler: str) -> str:
     """A digest of what the library's code depends on: sources, headers, flags, CPU."""
     parts = [path.read_bytes() for path in SOURCES + HEADERS]

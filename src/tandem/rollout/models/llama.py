@@ -292,13 +292,12 @@ class LlamaForCausalLM(nn.Module):
         """Multiply every projection in ``layout`` (one of ``cpu_linear.LAYOUTS``):
         ``"transposed"`` re-stores each weight column-major in place, ``"onednn"`` and
         ``"panels"`` multiply through copies (``PackedWeight``), q/k/v and gate/up each as
-        one matrix; None
-        through the row-major weights themselves (an aliased weight changes in place
-        unseen, so it must never be copied). The LM head is packed with the projections:
-        ``F.linear``'s own last bits change with the row count (MKL blocks each shape its
-        own way), so it kept no bit-for-bit parity with transformers' batch shapes, and
-        packed it is about 2-3x faster at decode row counts (``benchmarks/matmul_floor.py
-        --role lm_head``)."""
+        one matrix; None through the row-major weights themselves (an aliased weight
+        changes in place unseen, so it must never be copied). The LM head is packed with
+        the projections: ``F.linear``'s own last bits change with the row count (MKL blocks
+        each shape its own way), so it kept no bit-for-bit parity with transformers' batch
+        shapes, and packed it is about 2-3x faster at decode row counts
+        (``benchmarks/matmul_floor.py --role lm_head``)."""
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
         copied = layout in cpu_linear.COPIES
