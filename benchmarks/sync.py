@@ -14,8 +14,9 @@ Paths:
   CPU, over CUDA IPC with ``--device cuda`` (both processes on the one GPU).
 - in-process LoRA merge (``tandem.sync.LoraSync``, rank 16 on every attention and MLP
   projection): GB counts the merged weights pushed, not the adapter.
-- CPU repack: on CPU the linear layers multiply through oneDNN-packed copies of their
-  weights, rebuilt lazily by the first step after an update (``kernels/cpu_linear.py``);
+- CPU repack: on CPU the linear layers multiply through packed copies of their weights
+  (``kernels/cpu_linear.py``: panels for our C kernel, or oneDNN's packed format, whichever
+  layout the engine timed fastest), rebuilt lazily by the first step after an update;
   the row times rebuilding every one of them after an in-process copy, a cost the update
   rows leave out and the next step pays. Measured before the alias row: an aliased engine
   serves unpacked weights from then on.
