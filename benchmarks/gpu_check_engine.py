@@ -1,0 +1,414 @@
+"""The GPU check's engine sections: greedy tokens of the Triton path against torch's, decode
+with and without graphs, nano-bench, the memory share with sleep and wake, the engine's
+lifecycle, and the four kinds of weight update against a fresh engine.
+
+Every section builds its own engines inside its own functions and lets them go on return, so
+the next section starts with the device as the check found it (``gpu_check.py`` records what
+is still held between sections)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from gpu_check_common import (
+    Recorder,
+    collect,
+    device_total_bytes,
+    device_used_bytes,
+    live_engines,
+    load_hf_model,
+    make_llm,
+    sync,
+    timed,
+)
+from safetensors.torch import save_file
+
+from tandem.kernels.testing import TOLERANCE, relative_error
+from tandem.rollout import LLM, SamplingParams
+from tandem.sync import LoraSpec, LoraSync
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of random ids in [2, 500), lengths uniform in [low, high)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 500, (int(n),), generator=generator).tolist()
+            for n in torch.randint(low, high, (count,), generator=generator)]
+
+
+def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions of ``prompts`` (EOS ignored)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def seeded(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list, list]]:
+    """Seeded samples (temperature 1, seed = prompt index): tokens and their log-probs."""
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=max_tokens, ignore_eos=True,
+                             logprobs=0) for i in range(len(prompts))]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def compare_samples(got: list[tuple[list, list]], want: list[tuple[list, list]]) -> dict:
+    """Equal sequences and the largest log-prob gap over the tokens both sampled alike."""
+    equal = sum(a[0] == b[0] for a, b in zip(got, want))
+    gaps = [abs(x - y) for a, b in zip(got, want) if a[0] == b[0]
+            for x, y in zip(a[1], b[1])]
+    return dict(equal_sequences=f"{equal}/{len(want)}", logprob_gap=max(gaps, default=None),
+                ok=equal == len(want) and max(gaps, default=0.0) == 0.0)
+
+
+# ---------------------------------------------------------------- greedy tokens
+
+
+def check_tokens(rec: Recorder, folder: Path) -> None:
+    """Greedy tokens, Triton (eager and graphs) against the torch backend on one model: every
+    sequence equal in float32; in bfloat16 a divergence passes only at a near-tie, where the
+    float32 transformers model's top-2 logits differ by under bfloat16's spacing."""
+    prompts = random_prompts(3 if rec.smoke else 8, 5, 20 if rec.smoke else 200, seed=2)
+    max_tokens = 3 if rec.smoke else 32
+    for dtype in ("float32", "bfloat16"):
+        tokens = {}
+        for name, options in (("torch", dict(attention_backend="torch")),
+                              ("triton eager", dict(attention_backend="triton",
+                                                    enforce_eager=True)),
+                              ("triton graphs", dict(attention_backend="triton"))):
+            tokens[name] = greedy(make_llm(rec, folder, dtype=dtype, **options), prompts,
+                                  max_tokens)
+            collect()
+        for name in ("triton eager", "triton graphs"):
+            record_token_check(rec, folder, dtype, name, prompts, tokens[name], tokens["torch"])
+
+
+def record_token_check(rec: Recorder, folder: Path, dtype: str, name: str,
+                       prompts: list[list[int]], got: list[list[int]],
+                       want: list[list[int]]) -> None:
+    equal = sum(a == b for a, b in zip(got, want))
+    row = dict(dtype=dtype, equal_sequences=f"{equal}/{len(want)}")
+    if dtype == "float32" or equal == len(want):
+        rec.record("tokens", f"greedy, {name} = torch", **row, ok=equal == len(want))
+        return
+    margins = divergence_margins(rec, folder, prompts, got, want)
+    rec.record("tokens", f"greedy, {name} = torch", **row, divergences=margins,
+               ok=all(m["margin"] <= m["bf16_spacing"] for m in margins))
+
+
+def divergence_margins(rec: Recorder, folder: Path, prompts: list[list[int]],
+                       got: list[list[int]], want: list[list[int]]) -> list[dict]:
+    """At each sequence's first differing token: the float32 logit margin between the two
+    tokens chosen, and bfloat16's spacing at that logit's size (2^-7 of it)."""
+    model = load_hf_model(folder, torch.float32, rec.device)
+    margins = []
+    for prompt, a, b in zip(prompts, got, want):
+        if a == b:
+            continue
+        at = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.no_grad():
+            ids = torch.tensor([prompt + b[:at]], device=rec.device)
+            logits = model(ids).logits[0, -1].double()
+        high = max(abs(float(logits[a[at]])), abs(float(logits[b[at]])))
+        margins.append(dict(position=at, margin=abs(float(logits[a[at]] - logits[b[at]])),
+                            bf16_spacing=2.0 ** (int(torch.tensor(high).log2().floor()) - 7)))
+    del model
+    collect()
+    return margins
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
+    """Decode tokens/s of ``batch`` sequences (128-token prompts), after their prefill."""
+    engine = llm.engine
+    request_ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for i, request_id in enumerate(request_ids):
+        engine.add_request(request_id, [(7 * i + j) % 500 + 2 for j in range(128)],
+                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    while min(engine.num_output_tokens(r) for r in request_ids) == 0:  # every prefill done
+        engine.step()
+    engine.step()
+    seconds = timed(lambda: [engine.step() for _ in range(steps)])
+    for request_id in request_ids:
+        engine.abort_request(request_id)
+    return batch * steps / seconds
+
+
+def check_decode(rec: Recorder, folder: Path) -> None:
+    """Engine decode tokens/s, eager against CUDA graphs, at batch 1, 8, 64 and 256."""
+    modes = {"eager": True} if rec.smoke else {"eager": True, "graphs": False}
+    for mode, enforce_eager in modes.items():
+        llm = make_llm(rec, folder, enforce_eager=enforce_eager,
+                       max_num_seqs=16 if rec.smoke else 256)
+        stats = llm.stats()
+        rec.record("decode", f"{mode} engine", graphs=stats["num_decode_graphs"],
+                   capture_seconds=round(stats["graph_capture_seconds"], 2),
+                   graph_bytes=stats["graph_bytes"],
+                   planned_graph_bytes=stats.get("memory_graph_bytes", 0))
+        for batch in [1, 2] if rec.smoke else [1, 8, 64, 256]:
+            rec.record("decode", f"decode tok/s {mode}", batch=batch,
+                       tok_s=round(decode_tok_s(llm, batch, 4 if rec.smoke else 32), 1))
+        del llm
+        collect()
+
+
+# ---------------------------------------------------------------- nano-bench
+
+
+def nano_bench_workload(num_seqs: int, low: int, high: int,
+                        vocab_size: int) -> tuple[list, list[int]]:
+    """Prompts of random ids below 10000 and output lengths, both lengths uniform in
+    [low, high] (nano-vllm's bench)."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, min(10000, vocab_size), (int(n),), generator=generator).tolist()
+               for n in torch.randint(low, high + 1, (num_seqs,), generator=generator)]
+    outputs = torch.randint(low, high + 1, (num_seqs,), generator=generator).tolist()
+    return prompts, outputs
+
+
+def bandwidth_bound_seconds(llm: LLM, prompts: list[list[int]], output_lens: list[int],
+                            copy_bytes_per_s: float) -> float:
+    """The workload's floor at the device's copy bandwidth: every decode step reads each
+    running sequence's cached K/V (o·p + o²/2 tokens a sequence) and the weights once."""
+    config = llm.engine.runner.model.config
+    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
+                          * config.head_dim * llm.engine.runner.dtype.itemsize)
+    cached_tokens = sum(o * len(p) + o * o / 2 for p, o in zip(prompts, output_lens))
+    weight_reads = max(output_lens) * llm.engine.runner.weight_bytes()
+    return (cached_tokens * kv_bytes_per_token + weight_reads) / copy_bytes_per_s
+
+
+def nano_bench_tandem(rec: Recorder, section: str, folder: Path, workload: tuple,
+                      copy_bytes_per_s: float) -> None:
+    prompts, output_lens = workload
+    llm = make_llm(rec, folder, max_model_len=512 if rec.smoke else 2048,
+                   max_num_seqs=16 if rec.smoke else 256,
+                   **({} if rec.smoke else {"gpu_memory_utilization": 0.6}))
+    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)
+              for n in output_lens]
+    sync()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync()
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    bound = bandwidth_bound_seconds(llm, prompts, output_lens, copy_bytes_per_s)
+    rec.record(section, "tandem", tokens=tokens, seconds=round(seconds, 2),
+               tok_s=round(tokens / seconds, 1), bound_tok_s=round(tokens / bound, 1),
+               of_bound=round(bound / seconds, 3), preemptions=llm.stats()["preemptions"])
+
+
+def check_nano_bench(rec: Recorder, folder: Path, copy_bytes_per_s: float,
+                     section: str = "nano_bench", comparator: bool = True) -> None:
+    """DESIGN.md's nano-bench (256 sequences, lengths uniform in [100, 1024], EOS ignored):
+    Tandem's output tok/s against the bandwidth bound, then transformers' ``generate`` on the
+    same prompts once the engine has gone."""
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    workload = nano_bench_workload(*((4, 10, 30) if rec.smoke else (256, 100, 1024)),
+                                   vocab_size)
+    nano_bench_tandem(rec, section, folder, workload, copy_bytes_per_s)
+    collect()
+    rec.record(section, "held after the engine", device_gib=round(device_used_bytes() / 2**30, 2))
+    if comparator:
+        hf_generate(rec, section, folder, *workload)
+
+
+def hf_generate(rec: Recorder, section: str, folder: Path, prompts: list[list[int]],
+                output_lens: list[int]) -> None:
+    """transformers ``generate`` on the prompts as one left-padded batch, sampling at 0.6,
+    every row to the longest output length or ``max_time``."""
+    model = load_hf_model(folder, torch.float32 if rec.smoke else torch.bfloat16, rec.device)
+    max_time = 5.0 if rec.smoke else max(10.0, min(20.0, rec.seconds_left() / 4))
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=rec.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                        device=rec.device)
+    options = dict(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+    length = max(output_lens)
+    with torch.no_grad():
+        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4,
+                       min_new_tokens=4, **options)
+        sync()
+        start = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=length,
+                             min_new_tokens=length, max_time=max_time, **options)
+        sync()
+    seconds = time.perf_counter() - start
+    tokens = (out.shape[1] - width) * len(prompts)
+    rec.record(section, "transformers generate", tokens=tokens, seconds=round(seconds, 2),
+               tok_s=round(tokens / seconds, 1), max_time=max_time)
+
+
+# ---------------------------------------------------------------- memory, sleep, lifecycle
+
+
+def check_memory(rec: Recorder, folder: Path) -> None:
+    """The engine's share of the device at start and under load against
+    ``gpu_memory_utilization`` x total, then sleep and wake at both levels: their seconds,
+    what stays held asleep, and seeded sampling after wake against before."""
+    utilization = 0.35
+    baseline = device_used_bytes()
+    llm = make_llm(rec, folder, **({} if rec.smoke else
+                                   {"gpu_memory_utilization": utilization}))
+    target = utilization * device_total_bytes()
+    share = {"at start": device_used_bytes() - baseline}
+    heavy = random_prompts(8 if rec.smoke else 512, 100, 400, seed=3)
+    llm.generate(heavy, SamplingParams(max_tokens=8 if rec.smoke else 256, ignore_eos=True),
+                 use_tqdm=False)
+    share["under load"] = device_used_bytes() - baseline
+    for when, used in share.items():
+        rec.record("memory", f"engine share {when}", gib=round(used / 2**30, 2),
+                   of_target=round(used / target, 3) if target else None,
+                   ok=used <= target if target else None)
+    prompts = random_prompts(4 if rec.smoke else 8, 10, 60, seed=4)
+    before = seeded(llm, prompts, 8 if rec.smoke else 24)
+    for level in (1, 2):
+        sleep_seconds = timed(lambda level=level: llm.sleep(level))
+        held = device_used_bytes() - baseline
+        wake_seconds = timed(llm.wake_up)
+        parts = {k: round(v, 4) for k, v in llm.stats().items()
+                 if k.startswith(("sleep_", "wake_")) and isinstance(v, float)}
+        rec.record("memory", f"sleep({level})", timed_sleep=round(sleep_seconds, 3),
+                   timed_wake=round(wake_seconds, 3), held_asleep_gib=round(held / 2**30, 2),
+                   graphs=llm.stats()["num_decode_graphs"], **parts)
+        after = seeded(llm, prompts, 8 if rec.smoke else 24)
+        rec.record("memory", f"seeded sampling after sleep({level}) = before",
+                   **compare_samples(after, before))
+
+
+def check_lifecycle(rec: Recorder, folder: Path) -> None:
+    """An engine deleted by its only owner gives its device memory back."""
+    baseline = device_used_bytes()
+    llm = make_llm(rec, folder)
+    llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=4), use_tqdm=False)
+    alive = device_used_bytes() - baseline
+    del llm
+    collect()
+    after = device_used_bytes() - baseline
+    rec.record("lifecycle", "engine deleted by its only owner", held_alive_gib=round(
+        alive / 2**30, 2), held_after_del_gib=round(after / 2**30, 2),
+        engines_alive=live_engines(), ok=live_engines() == 0 and after < 0.05 * max(alive, 1))
+
+
+# ---------------------------------------------------------------- weight updates
+
+
+def save_weights(base: Path, folder: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """A copy of ``base``'s config and tokenizer with ``weights`` as its checkpoint."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in base.iterdir():
+        if path.suffix != ".safetensors" and path.is_file():
+            shutil.copy(path, folder / path.name)
+    save_file({name: t.detach().contiguous().cpu() for name, t in weights.items()},
+              folder / "model.safetensors")
+    return folder
+
+
+def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Each weight times (1 + 0.1 · noise): new weights of the same scale."""
+    generator = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
+    return {name: (t.float() * (1 + 0.1 * torch.randn(t.shape, generator=generator,
+                                                        device=t.device))).to(t.dtype)
+            for name, t in weights.items()}
+
+
+def lora_adapter(weights: dict[str, torch.Tensor], rank: int, seed: int) -> dict:
+    """A random PEFT-named adapter on every projection."""
+    generator = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
+    adapter = {}
+    for name, weight in weights.items():
+        module = name.removesuffix(".weight")
+        if module.rsplit(".", 1)[-1] in PROJECTIONS:
+            out_features, in_features = weight.shape
+            adapter[f"{module}.lora_A.weight"] = 0.05 * torch.randn(
+                rank, in_features, generator=generator, device=weight.device)
+            adapter[f"{module}.lora_B.weight"] = 0.05 * torch.randn(
+                out_features, rank, generator=generator, device=weight.device)
+    return adapter
+
+
+def merged_reference(weights: dict[str, torch.Tensor], adapter: dict, scale: float) -> dict:
+    """``W + scale · B A`` in float32, rounded to each weight's dtype (PEFT's merge)."""
+    merged = dict(weights)
+    for name in weights:
+        a = adapter.get(name.replace(".weight", ".lora_A.weight"))
+        if a is not None:
+            b = adapter[name.replace(".weight", ".lora_B.weight")]
+            merged[name] = (weights[name].float() + scale * (b.float() @ a.float())).to(
+                weights[name].dtype)
+    return merged
+
+
+def check_updates(rec: Recorder, folder: Path, work: Path) -> None:
+    """Copy, alias and LoRA-merge updates of a running engine (graphs on, each prompt sampled
+    before the update so a stale prefix cache or graph would show) against a fresh engine on
+    the same weights saved; the run-time LoRA layers against ``x W^T + s (x A^T) B^T``."""
+    prompts = random_prompts(8, 10, 80, seed=5)
+    tokens = 8 if rec.smoke else 24
+    llm = make_llm(rec, folder, max_num_seqs=16)
+    weights = {n: p.detach().clone() for n, p in llm.engine.weight_parameters().items()}
+    seeded(llm, prompts, tokens)
+    copy = perturbed(weights, seed=1)
+    seconds = timed(functools.partial(llm.update_weights, copy.items()))
+    gigabytes = sum(t.nbytes for t in copy.values()) / 1e9
+    check_against_fresh(rec, "full copy update", llm, save_weights(folder, work / "copy", copy),
+                        prompts, tokens, seconds=round(seconds, 4),
+                        gb_s=round(gigabytes / seconds, 1))
+    alias = perturbed(weights, seed=2)
+    llm.update_weights(alias.items(), alias=True)
+    check_against_fresh(rec, "alias update", llm, save_weights(folder, work / "alias", alias),
+                        prompts, tokens)
+    spec = LoraSpec(r=16, lora_alpha=32, target_modules=list(PROJECTIONS))
+    adapter = lora_adapter(alias, 16, seed=3)
+    merged = merged_reference(alias, adapter, spec.scale)  # before the merge writes `alias`
+    LoraSync(llm).update(adapter.items(), spec)
+    check_against_fresh(rec, "LoRA merge", llm, save_weights(folder, work / "lora", merged),
+                        prompts, tokens)
+    del llm
+    collect()
+    check_lora_runtime(rec, folder, lora_adapter(weights, 16, seed=4), spec)
+
+
+def check_against_fresh(rec: Recorder, name: str, llm: LLM, saved: Path,
+                        prompts: list[list[int]], tokens: int, **values) -> None:
+    got = seeded(llm, prompts, tokens)
+    fresh = make_llm(rec, saved, max_num_seqs=16)
+    want = seeded(fresh, prompts, tokens)
+    del fresh
+    collect()
+    rec.record("updates", f"{name} = fresh engine", **values, **compare_samples(got, want))
+
+
+def check_lora_runtime(rec: Recorder, folder: Path, adapter: dict, spec: LoraSpec) -> None:
+    """Every run-time LoRA layer's output against ``x W^T + s (x A^T) B^T`` computed by torch
+    in the engine's dtype, both measured against float64."""
+    llm = make_llm(rec, folder, max_num_seqs=16)
+    LoraSync(llm, mode="runtime").update(adapter.items(), spec)
+    generator = torch.Generator(device=rec.device).manual_seed(6)
+    worst, worst_torch = 0.0, 0.0
+    for name, layer in llm.engine.runner.lora_layers().items():
+        a = adapter[name.replace(".weight", ".lora_A.weight")]
+        b = adapter[name.replace(".weight", ".lora_B.weight")]
+        weight = layer.weight
+        x = torch.randn(64, weight.shape[1], device=rec.device, generator=generator).to(
+            weight.dtype)
+        with torch.no_grad():
+            out = layer(x)
+            same_dtype = (torch.nn.functional.linear(x, weight) + spec.scale * torch.nn.functional
+                          .linear(torch.nn.functional.linear(x, a.to(x.dtype)), b.to(x.dtype)))
+            exact = x.double() @ weight.double().T + spec.scale * (
+                x.double() @ a.double().T @ b.double().T)
+        worst = max(worst, relative_error(out, exact))
+        worst_torch = max(worst_torch, relative_error(same_dtype, exact))
+    dtype = next(iter(llm.engine.weight_parameters().values())).dtype
+    rec.record("updates", "LoRA runtime layers = x W + s (x A) B", layers=len(
+        llm.engine.runner.lora_layers()), rel_error=worst, torch_same_dtype_rel_error=worst_torch,
+        ok=worst <= max(2 * worst_torch, TOLERANCE[dtype]))
