@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -33,8 +34,12 @@ HEADERS = (Path(__file__).with_name("cpu_bf16.h"),)
 MAX_HEAD_DIM, MAX_GROUP = 256, 32
 # The dtypes the kernels take, as their `bf16` flag.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC",
          f"-DMAX_HEAD_DIM={MAX_HEAD_DIM}", f"-DMAX_GROUP={MAX_GROUP}")
+# Linked apart from the compile: gcc before 13 links crtfastmath.o into a library linked with
+# -ffast-math, and loading it turns on flush-to-zero for the whole process (the trainer's
+# float maths, numpy's, everyone's).
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def cache_dir() -> Path:
@@ -63,7 +68,8 @@ def _compiler() -> str | None:
 def _key(compiler: str) -> str:
     """A digest of what the library's code depends on: sources, headers, flags, CPU."""
     parts = [path.read_bytes() for path in SOURCES + HEADERS]
-    return hashlib.sha256(b"\0".join([*parts, " ".join(FLAGS).encode(), compiler.encode(),
+    flags = " ".join(FLAGS + LINK_FLAGS).encode()
+    return hashlib.sha256(b"\0".join([*parts, flags, compiler.encode(),
                                        cpu_name().encode()])).hexdigest()[:24]
 
 
@@ -79,8 +85,12 @@ def _build(compiler: str) -> Path:
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         staged = library.with_name(f"{library.name}.{os.getpid()}.tmp")
-        subprocess.run([compiler, *FLAGS, "-o", str(staged), *map(str, SOURCES), "-lm"],
-                       check=True, capture_output=True, text=True, timeout=120)
+        with tempfile.TemporaryDirectory() as objects:
+            subprocess.run([compiler, *FLAGS, "-c", *map(str, SOURCES)], cwd=objects,
+                           check=True, capture_output=True, text=True, timeout=120)
+            subprocess.run([compiler, *LINK_FLAGS, "-o", str(staged),
+                            *sorted(Path(objects).glob("*.o")), "-lm"],
+                           check=True, capture_output=True, text=True, timeout=120)
         staged.replace(library)  # atomic: concurrent engines never load a partial file
     return library
 
