@@ -17,7 +17,8 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     # flush-to-zero for the whole process: a colocated trainer's CPU maths would lose every
     # subnormal. A fresh process, so nothing loaded earlier hides or causes it.
     code = ("import torch; from tandem.kernels import cpu_build; assert cpu_build.library(); "
-            "x = float('5e-324'); print(x * 1.5, (torch.tensor([1e-310], dtype=torch.float64) * 0.5).item())")
+            "x = float('5e-324'); "
+            "print(x * 1.5, (torch.tensor([1e-310], dtype=torch.float64) * 0.5).item())")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300, check=True)
     smallest, halved = map(float, run.stdout.split())
