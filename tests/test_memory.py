@@ -5,11 +5,21 @@ taking the rest, only the KV pool moves with ``gpu_memory_utilization``, a share
 is refused naming each part and the options that fix it; the pool honours ``num_kv_blocks``,
 ``kv_cache_memory_bytes`` and the CPU default, holds one max_model_len sequence, and its
 blocks are as large as the pool the runner allocates.
+
+On a faked CUDA device (torch's total and free memory patched, nothing else): for models
+and options drawn by hypothesis, what the engine holds by the plan (weights, their staging
+copy, activations, decode graphs and the KV pool it allocates) stays within
+``gpu_memory_utilization`` x the device's total whatever is free, and a share that cannot
+hold one max_model_len sequence is refused naming the options that fix it; an engine started
+on the fake device (its runner built on the CPU) holds what it planned.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -17,8 +27,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, LlamaConfig
 
+from tandem.rollout import engine as engine_module
 from tandem.rollout.block_manager import num_blocks_for
 from tandem.rollout.config import EngineConfig
+from tandem.rollout.cuda_graphs import graph_batch_sizes
+from tandem.rollout.engine import LLMEngine
 from tandem.rollout.memory import (
     CPU_KV_CACHE_BYTES,
     activation_bytes,
@@ -160,15 +173,22 @@ def test_block_bytes_are_the_bytes_per_block_of_the_pool_the_runner_allocates(mo
     assert runner.kv_cache_bytes() == 7 * kv_block_bytes(hf_config, BLOCK_SIZE, dtype)
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 16 GiB CUDA device whose free memory must never be asked for."""
-    def free_memory(device=None):
-        raise AssertionError("the pool was sized by free memory")
+@contextmanager
+def fake_cuda_device(total_bytes: int, free_bytes: int) -> Iterator[None]:
+    """torch reports a CUDA device of ``total_bytes``, ``free_bytes`` of them free (a
+    colocated trainer holds the rest), as ``get_device_properties`` and ``mem_get_info``."""
+    properties = SimpleNamespace(total_memory=total_bytes)
+    with mock.patch.object(torch.cuda, "get_device_properties", lambda device=None: properties), \
+            mock.patch.object(torch.cuda, "mem_get_info",
+                              lambda device=None: (free_bytes, total_bytes)):
+        yield
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(total_memory=16 * GIB))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", free_memory)
+
+@pytest.fixture
+def fake_cuda() -> Iterator[None]:
+    """A 16 GiB CUDA device, a quarter of it free."""
+    with fake_cuda_device(16 * GIB, 4 * GIB):
+        yield
 
 
 def cuda_size(utilization: float | None, graph_sizes: list[int]):
@@ -193,3 +213,146 @@ def test_cuda_utilization_defaults_to_nine_tenths_and_less_of_it_shrinks_the_poo
     assert cuda_size(None, []).plan == cuda_size(0.9, []).plan
     blocks = [cuda_size(utilization, []).num_blocks for utilization in (0.9, 0.5, 0.2)]
     assert blocks[0] > blocks[1] > blocks[2]
+
+
+@st.composite
+def decoders(draw: st.DrawFn) -> LlamaConfig:
+    """A decoder from tiny to 70B-sized: grouped KV heads, a head dim of its own (as Qwen3's)."""
+    kv_heads = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    hidden = 128 * draw(st.integers(1, 64))
+    return LlamaConfig(
+        vocab_size=draw(st.integers(256, 262_144)), hidden_size=hidden,
+        intermediate_size=draw(st.integers(hidden, 4 * hidden)),
+        num_hidden_layers=draw(st.integers(1, 80)),
+        num_attention_heads=kv_heads * draw(st.sampled_from([1, 2, 4, 8])),
+        num_key_value_heads=kv_heads, head_dim=draw(st.sampled_from([64, 96, 128, 256])),
+        tie_word_embeddings=False)
+
+
+def parameter_count(config: LlamaConfig) -> int:
+    """The parameters of a Llama-shaped decoder with untied embeddings."""
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    attention = config.hidden_size * (2 * q_size + 2 * kv_size)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    layer = attention + mlp + 2 * config.hidden_size
+    return config.num_hidden_layers * layer + (2 * config.vocab_size + 1) * config.hidden_size
+
+
+@settings(max_examples=300, deadline=None)
+@given(hf_config=decoders(), dtype=st.sampled_from([torch.bfloat16, torch.float16,
+                                                   torch.float32]),
+       total=st.integers(4 * GIB, 192 * GIB), free_permille=st.integers(0, 1000),
+       utilization=st.floats(0.05, 1.0), block_size=st.integers(1, 256),
+       max_num_seqs=st.integers(1, 1024), max_num_batched_tokens=st.integers(1, 65_536),
+       enforce_eager=st.booleans(), max_model_len=st.integers(1, 1 << 20))
+def test_cuda_plan_keeps_the_engines_share_within_utilization_of_total_or_refuses_to_start(
+        hf_config, dtype, total, free_permille, utilization, block_size, max_num_seqs,
+        max_num_batched_tokens, enforce_eager, max_model_len):
+    config = EngineConfig(model="unused", device="cuda", block_size=block_size,
+                          gpu_memory_utilization=utilization, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens,
+                          enforce_eager=enforce_eager)
+    weights = parameter_count(hf_config) * dtype.itemsize
+    graph_sizes = [] if enforce_eager else graph_batch_sizes(max_num_seqs)
+    fixed = (2 * weights + activation_bytes(hf_config, max_num_batched_tokens, max_num_seqs)
+             + graph_pool_bytes(hf_config, graph_sizes))  # weights, their staging copy
+    one_sequence = (num_blocks_for(max_model_len, block_size)
+                    * kv_block_bytes(hf_config, block_size, dtype))
+    sizes = []
+    for free in (total * free_permille // 1000, total):  # what is free must change nothing
+        with fake_cuda_device(total, free):
+            try:
+                sizes.append(size_kv_cache(config, hf_config, dtype, max_model_len, weights,
+                                           graph_sizes))
+            except ValueError as error:
+                assert fixed + one_sequence > utilization * total  # nothing smaller fits
+                assert "gpu_memory_utilization" in str(error)
+                assert "lower max_model_len" in str(error) or "nothing for the KV pool" in str(
+                    error)
+                return
+    assert sizes[0] == sizes[1]
+    pool = sizes[0].num_blocks * sizes[0].block_bytes
+    assert one_sequence <= pool
+    assert fixed + pool <= utilization * total
+
+
+@pytest.mark.parametrize("too_long_by", [BLOCK_SIZE, 1], ids=["a block", "a token"])
+def test_cuda_share_one_block_short_of_a_max_model_len_sequence_is_refused_naming_the_fix(
+        too_long_by):
+    qwen3_8b = LlamaConfig(vocab_size=151_936, hidden_size=4096, intermediate_size=12_288,
+                           num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, tie_word_embeddings=False)
+    weights = parameter_count(qwen3_8b) * 2
+
+    def size(max_model_len: int):
+        config = EngineConfig(model="unused", device="cuda", block_size=BLOCK_SIZE,
+                              gpu_memory_utilization=0.9, max_model_len=max_model_len)
+        return size_kv_cache(config, qwen3_8b, torch.bfloat16, max_model_len, weights,
+                             graph_sizes=graph_batch_sizes(config.max_num_seqs))
+
+    with fake_cuda_device(80 * GIB, 80 * GIB):  # an 80 GiB A100 or H100
+        fitting = size(1).num_blocks * BLOCK_SIZE  # the longest sequence the pool holds
+        assert size(fitting).num_blocks * BLOCK_SIZE == fitting
+        too_long = fitting + too_long_by
+        with pytest.raises(ValueError) as error:
+            size(too_long)
+    for fragment in (f"max_model_len={too_long}", "raise num_kv_blocks",
+                     "gpu_memory_utilization", "lower max_model_len"):
+        assert fragment in str(error.value)
+
+
+def cpu_runner_for_cuda(config: EngineConfig, hf_config, model_dir, dtype, max_model_len: int,
+                        eos_token_ids: set[int]) -> ModelRunner:
+    """The runner a CUDA engine would build, on the CPU: the decode graph sizes it would
+    capture (not captured: no device) with the reference kernels."""
+    runner = ModelRunner(hf_config, model_dir, dtype, torch.device("cpu"), max_model_len,
+                         config.block_size, eos_token_ids, config.seed, "torch",
+                         max_num_seqs=config.max_num_seqs)
+    runner.graph_sizes = graph_batch_sizes(config.max_num_seqs)
+    runner.capture_graphs = lambda: None
+    return runner
+
+
+def held_parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the storages under the model's parameters, each counted once."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("utilization", [0.05, 0.3])
+def test_engine_on_a_cuda_device_holds_what_it_planned_within_its_share(
+        model_dir, monkeypatch, utilization):
+    total = 2 * GIB
+    monkeypatch.setattr(engine_module, "make_runner", cpu_runner_for_cuda)
+    config = EngineConfig(model=str(model_dir("llama")), device="cuda", block_size=BLOCK_SIZE,
+                          gpu_memory_utilization=utilization, max_num_seqs=64)
+    with fake_cuda_device(total, total // 4):
+        engine = LLMEngine(config)
+    plan, runner = engine.memory_plan, engine.runner
+    hf_config = runner.model.config
+    assert plan.weight_bytes == plan.staging_bytes == held_parameter_bytes(runner.model)
+    assert plan.activation_bytes == activation_bytes(hf_config, config.max_num_batched_tokens,
+                                                     config.max_num_seqs)
+    assert plan.graph_bytes == graph_pool_bytes(hf_config, graph_batch_sizes(64)) > 0
+    block = kv_block_bytes(hf_config, BLOCK_SIZE, runner.dtype)
+    held = sum(fixed_parts(plan)) + runner.kv_cache_bytes()
+    assert utilization * total - block < held <= utilization * total
+    assert engine.num_kv_blocks * BLOCK_SIZE >= engine.max_model_len
+
+
+def test_engine_on_a_cuda_device_one_block_short_of_max_model_len_refuses_to_start(
+        model_dir, monkeypatch):
+    monkeypatch.setattr(engine_module, "make_runner", cpu_runner_for_cuda)
+    config = EngineConfig(model=str(model_dir("llama")), device="cuda", block_size=BLOCK_SIZE,
+                          gpu_memory_utilization=0.5, max_num_seqs=64, max_model_len=512)
+    with fake_cuda_device(2 * GIB, 2 * GIB):
+        engine = LLMEngine(config)
+    block = kv_block_bytes(engine.runner.model.config, BLOCK_SIZE, engine.runner.dtype)
+    fixed = sum(fixed_parts(engine.memory_plan))
+    short = 2 * (fixed + (num_blocks_for(512, BLOCK_SIZE) - 1) * block)  # utilization 0.5
+    with fake_cuda_device(short, short), pytest.raises(ValueError) as error:
+        LLMEngine(config)
+    for fragment in ("max_model_len=512", "gpu_memory_utilization", "lower max_model_len"):
+        assert fragment in str(error.value)

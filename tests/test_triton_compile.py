@@ -1,19 +1,23 @@
 """Every Triton kernel compiles ahead of time for sm_80 (A100) and sm_90 (H100, H200) at the
-engine's shapes and dtypes, within each GPU's shared memory per block.
+engine's shapes and dtypes, within each GPU's shared memory per block, without register
+spills.
 
 Triton compiles for a target without a device (``triton.compile`` down to PTX, then a cubin
 from its bundled ptxas), so this runs in CPU-only CI and catches what the interpreter cannot:
-compile errors and shared memory overflows. It runs ``triton_compile_worker.py`` in a
-subprocess without ``TRITON_INTERPRET`` (conftest switches the interpreter on in this
-process, and under it ``@triton.jit`` gives functions ``triton.compile`` refuses), with its
-own Triton cache. The worker records the launches from the launchers themselves, so the
-constexprs (block sizes), pointer dtypes and ``num_warps`` compiled are exactly what the
-launchers pass, for head dims 16 and 32 (the tiny test models, float32) and 64 (SmolLM2, in
-float32, bfloat16 and float16), with KV blocks of 16 tokens (the default).
+compile errors, shared memory overflows and register spills. It runs
+``triton_compile_worker.py`` in a subprocess without ``TRITON_INTERPRET`` (conftest switches
+the interpreter on in this process, and under it ``@triton.jit`` gives functions
+``triton.compile`` refuses), with its own Triton cache. The worker records the launches from
+the launchers themselves, so the constexprs (block sizes), pointer dtypes and ``num_warps``
+compiled are exactly what the launchers pass, for head dims 16 and 32 (the tiny test models,
+float32), 64 (SmolLM2, in float32, bfloat16 and float16) and 128 (Qwen3-0.6B and Qwen3-8B in
+bfloat16, Llama 3 8B in float16), with KV blocks of 16 tokens (the default) and, for
+Qwen3-8B, also of 32.
 
-Registers per thread and spills are not checked: Triton's figures for them (``n_regs``,
-``n_spills``) come from the driver when it loads the cubin, so they wait for a device.
-(ptxas reports them too, in the log ``TRITON_DUMP_PTXAS_LOG=1`` prints.)
+Registers per thread, spill stores and loads and the stack frame of each cubin are ptxas's,
+from its verbose log for the very cubin Triton built: what Triton's ``n_regs`` and
+``n_spills`` report once a device's driver loads it. A spill moves a value out of the
+registers into local memory (device memory, cached in L1) and back.
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ WORKER = Path(__file__).with_name("triton_compile_worker.py")
 TARGETS = ("sm_80", "sm_90")
 # The opt-in maximum of shared memory per block: A100 (sm_80), H100 and H200 (sm_90).
 SHARED_MEMORY_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+DECODE_KERNELS = ("_decode_kernel", "_merge_splits_kernel")
+# The engine's KV block sizes compiled: the default and vLLM's other usual one.
+BLOCK_SIZES = (16, 32)
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +80,45 @@ def test_every_kernel_fits_the_shared_memory_of_a100_and_h100(compiled):
             if record["error"] is None
             and record["shared"] > SHARED_MEMORY_LIMIT[record["target"]]]
     assert not over, "\n".join(over)
+
+
+def _spills(record: dict[str, Any]) -> int:
+    return record["spill_stores"] + record["spill_loads"]
+
+
+def _resources(records: list[dict[str, Any]]) -> str:
+    """One line per record: what it is, then ptxas's registers, spills and stack frame."""
+    return "\n".join(
+        f"{_describe(record)}: {record['registers']} registers, {record['spill_stores']} "
+        f"bytes of spill stores, {record['spill_loads']} of spill loads, "
+        f"{record['stack_frame']} bytes of stack frame" for record in records)
+
+
+def test_every_compiled_kernel_has_ptxas_figures(compiled):
+    for record in compiled["compiled"]:
+        if record["error"] is None:
+            assert 0 < record["registers"] <= 255, _describe(record)
+            assert min(record["spill_stores"], record["spill_loads"],
+                       record["stack_frame"]) >= 0, _describe(record)
+
+
+def test_decode_attention_never_spills_at_the_engines_block_sizes(compiled):
+    decodes = [record for record in compiled["compiled"]
+               if record["kernel"] in DECODE_KERNELS and record["error"] is None]
+    covered = {(record["pointers"]["query"], record["constexprs"]["BLOCK_D"],
+                record["constexprs"]["BLOCK_SIZE"]) for record in decodes
+               if record["kernel"] == "_decode_kernel" and record["target"] == "sm_90"}
+    assert {("*bf16", 128, block_size) for block_size in BLOCK_SIZES} <= covered
+    spilling = [record for record in decodes if _spills(record)]
+    assert not spilling, (f"decode attention spills:\n{_resources(spilling)}\n\n"
+                          f"every decode launch:\n{_resources(decodes)}")
+
+
+def test_no_kernel_spills(compiled):
+    # The float32 prefill spilled a 6 KB stack frame over 64 x 64 tiles at head dim 64, until
+    # float32 took smaller tiles (triton_attention._prefill_tile).
+    assert any(record["kernel"] == "_prefill_kernel" and record["pointers"]["query"] == "*fp32"
+               for record in compiled["compiled"])
+    spilling = [record for record in compiled["compiled"]
+                if record["error"] is None and _spills(record)]
+    assert not spilling, f"kernels that spill:\n{_resources(spilling)}"

@@ -9,15 +9,27 @@ specialisations are exactly what the engine would launch. Each distinct launch i
 specialised as Triton's launcher does (``native_specialize_impl``) and compiled with
 ``triton.compile`` for each target, down to PTX and a cubin (ptxas, no driver needed).
 
-Output: ``{"compiled": [{kernel, target, geometry, constexprs, pointers, shared, error}],
-"unlaunched": [jit functions neither launched nor called by a launched kernel]}``.
+Registers per thread, spills and the stack frame come from ptxas's verbose log: Triton's
+ptxas (the one it bundles) is run again with ``-v`` on the PTX Triton generated, with
+Triton's flags, and must rebuild Triton's cubin byte for byte, so the figures are those of
+the binary the engine would load. (Triton's own ``n_regs`` and ``n_spills`` come from the
+driver when it loads the cubin, so they need a device; its ``TRITON_DUMP_PTXAS_LOG=1``
+prints the log to stdout, unattributed when kernels compile in parallel.)
+
+Output: ``{"compiled": [{kernel, target, geometry, constexprs, pointers, shared, registers,
+spill_stores, spill_loads, stack_frame, error}], "unlaunched": [jit functions neither
+launched nor called by a launched kernel]}``; sizes in bytes, registers per thread, the
+figures None where ``error`` says why.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -30,6 +42,7 @@ import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.compiler.errors import CompilationError
@@ -64,18 +77,32 @@ class Geometry:
 TINY = dict(num_heads=4, num_kv_heads=2, hidden_size=64, intermediate_size=128)
 SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
                intermediate_size=1536)
+# Head dim 128, as most models from 1B up: Qwen3-0.6B and Qwen3-8B (with q/k norms),
+# Llama 3 8B.
+QWEN3_0_6B = dict(num_heads=16, num_kv_heads=8, head_dim=128, hidden_size=1024,
+                  intermediate_size=3072, qk_norm=True)
+QWEN3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                intermediate_size=12288, qk_norm=True)
+LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_dim=128, hidden_size=4096,
+                 intermediate_size=14336)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# The tiny models run in float32 (their checkpoints' dtype), SmolLM2 in any dtype.
+# The tiny models run in float32 (their checkpoints' dtype), SmolLM2 in any dtype, the head
+# dim 128 models in their checkpoints' bfloat16 (with 16- and 32-token KV blocks) or float16.
 GEOMETRIES = (
     Geometry("tiny llama float32", head_dim=16, dtype=torch.float32, **TINY),
     Geometry("tiny qwen3 float32", head_dim=32, dtype=torch.float32, qk_norm=True, **TINY),
     *(Geometry(f"smollm2-135m {_dtype_name(dtype)}", dtype=dtype, **SMOLLM2)
       for dtype in DTYPES),
+    Geometry("qwen3-0.6b bfloat16", dtype=torch.bfloat16, **QWEN3_0_6B),
+    Geometry("qwen3-8b bfloat16", dtype=torch.bfloat16, **QWEN3_8B),
+    Geometry("qwen3-8b bfloat16 32-token blocks", dtype=torch.bfloat16, block_size=32,
+             **QWEN3_8B),
+    Geometry("llama-3-8b float16", dtype=torch.float16, **LLAMA3_8B),
 )
 
 
@@ -226,16 +253,57 @@ def specialise(launch: Launch, target: str) -> CompileJob:
     return CompileJob(kernel, target, signature, constexprs, attrs, options)
 
 
+RESOURCES = ("registers", "spill_stores", "spill_loads", "stack_frame")
+PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+PTXAS_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                         r"(\d+) bytes spill loads")
+
+
 def compile_job(job: CompileJob) -> dict[str, Any]:
-    """Compile ``job``; its shared memory in bytes, or the error that stopped it."""
+    """Compile ``job``; its shared memory and ptxas's figures (``RESOURCES``), or the
+    error that stopped it."""
+    failed = {"shared": None, **dict.fromkeys(RESOURCES)}
     source = ASTSource(job.kernel, job.signature, job.constexprs, job.attrs)
     try:
         compiled = triton.compile(source, target=TARGETS[job.target], options=job.options)
     except Exception as error:  # noqa: BLE001 - every failure is a finding to report
-        return {"shared": None, "error": error_text(error)}
+        return {**failed, "error": error_text(error)}
     if "cubin" not in compiled.asm:
-        return {"shared": None, "error": "no cubin was produced"}
-    return {"shared": compiled.metadata.shared, "error": None}
+        return {**failed, "error": "no cubin was produced"}
+    try:
+        resources = ptxas_resources(compiled.asm["ptx"], compiled.asm["cubin"], job)
+    except ValueError as error:
+        return {**failed, "error": str(error)}
+    return {"shared": compiled.metadata.shared, **resources, "error": None}
+
+
+def ptxas_resources(ptx: str, cubin: bytes, job: CompileJob) -> dict[str, int]:
+    """Registers per thread and the spill stores, spill loads and stack frame in bytes of
+    the one kernel in ``ptx``, from the verbose log of Triton's ptxas run with Triton's
+    flags (as ``make_cubin`` runs it, with fused multiply-adds and line info).
+
+    Raises:
+        ValueError: when ptxas fails, builds another cubin than Triton's ``cubin`` (its
+            figures would not be that binary's), or logs other than one kernel's figures.
+    """
+    capability = TARGETS[job.target].arch
+    with tempfile.TemporaryDirectory() as folder:
+        source, binary = Path(folder, "kernel.ptx"), Path(folder, "kernel.cubin")
+        source.write_text(ptx)
+        run = subprocess.run([get_ptxas(capability).path, "-lineinfo", "-v",
+                              f"--gpu-name={sm_arch_from_capability(capability)}",
+                              str(source), "-o", str(binary)], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise ValueError(f"ptxas -v failed:\n{run.stderr[-2000:]}")
+        if binary.read_bytes() != cubin:
+            raise ValueError("ptxas -v built another cubin than Triton's: align its flags "
+                             "with triton/backends/nvidia/compiler.py's make_cubin")
+    registers, frames = PTXAS_REGISTERS.findall(run.stderr), PTXAS_FRAME.findall(run.stderr)
+    if len(registers) != 1 or len(frames) != 1:
+        raise ValueError(f"expected one kernel's figures in ptxas's log:\n{run.stderr}")
+    stack_frame, spill_stores, spill_loads = map(int, frames[0])
+    return {"registers": int(registers[0]), "spill_stores": spill_stores,
+            "spill_loads": spill_loads, "stack_frame": stack_frame}
 
 
 def error_text(error: BaseException, limit: int = 4000) -> str:
@@ -270,7 +338,7 @@ def distinct_jobs(launches: list[Launch]) -> list[tuple[CompileJob, Launch]]:
 
 def report(job: CompileJob, launch: Launch) -> dict[str, Any]:
     """Compile ``job``; what it is (kernel, target, geometry, constexprs, pointer dtypes) and
-    how it went (``shared`` bytes, or ``error``)."""
+    how it went (``shared`` bytes and ptxas's ``RESOURCES``, or ``error``)."""
     pointers = {name: kind for name, kind in job.signature.items() if kind.startswith("*")}
     return {"kernel": job.kernel.__name__, "target": job.target, "geometry": launch.geometry,
             "constexprs": job.constexprs, "pointers": pointers, **compile_job(job)}
