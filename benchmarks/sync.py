@@ -6,7 +6,10 @@ embeddings), saved once to a temporary folder and reused. Both run in float32 on
 ``torch.set_num_threads(2)`` (``--device cuda``: on the GPU in the checkpoint's dtype).
 
 Paths:
-- in-process copy: ``llm.update_weights(state.items())`` (stage a copy, check, copy in).
+- in-process copy: ``llm.update_weights(state.items())`` (a dict's items are staged by
+  reference: one batched finiteness check, then one batched copy into the parameters).
+- in-process copy, generator: the same tensors from a generator, each staged as a copy when
+  it is read (what a trainer that gathers or reuses memory per weight gets).
 - in-process alias: ``alias=True`` (the engine adopts the trainer's tensors; finiteness
   check only).
 - two processes: ``WeightSender`` here, ``WeightReceiver`` in a spawned engine process,
@@ -117,6 +120,8 @@ def in_process_rows(folder: Path, repeats: int,
              median_seconds(lambda: lora.update(adapter.items(), spec), repeats, device))]
     rows.append(("in-process copy", total,
                  median_seconds(lambda: llm.update_weights(state.items()), repeats, device)))
+    rows.append(("in-process copy, generator", total, median_seconds(
+        lambda: llm.update_weights(item for item in state.items()), repeats, device)))
     if device == "cpu":
         rows.append(("CPU repack (next step)", total, repack_seconds(llm, state, repeats)))
     rows.append(("in-process alias", total, median_seconds(

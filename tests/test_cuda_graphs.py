@@ -1,4 +1,5 @@
-"""Decode-graph bookkeeping that needs no GPU: the batch-size ladder and input padding."""
+"""Decode-graph bookkeeping that needs no GPU: the batch-size ladder, input padding, and the
+addresses the graphs hold."""
 
 from __future__ import annotations
 
@@ -6,7 +7,12 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 from tandem.rollout import LLM
-from tandem.rollout.cuda_graphs import DecodeGraphs, graph_batch_sizes, padded_batch_size
+from tandem.rollout.cuda_graphs import (
+    DecodeGraphs,
+    graph_addresses,
+    graph_batch_sizes,
+    padded_batch_size,
+)
 
 
 def test_ladder_is_powers_of_two_then_steps_of_8_then_16_up_to_max_num_seqs():
@@ -53,3 +59,21 @@ def test_cpu_engine_never_captures(llama_dir):
         assert llm.engine.runner.graph_sizes == [] and llm.engine.runner.graphs is None
         stats = llm.stats()
         assert stats["num_decode_graphs"] == 0 and stats["graph_bytes"] == 0
+
+
+def test_graph_addresses_change_when_a_tensor_moves_not_when_it_is_written(llama_dir):
+    runner = LLM(str(llama_dir), num_kv_blocks=32).engine.runner
+    model = runner.model
+    captured = graph_addresses(model, runner.kv_cache)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+        runner.kv_cache.fill_(1.0)
+    assert graph_addresses(model, runner.kv_cache) == captured
+    assert graph_addresses(model, runner.kv_cache.clone()) != captured
+    rotary = model.model.rotary_emb
+    cos, rotary.cos = rotary.cos, rotary.cos.clone()
+    assert graph_addresses(model, runner.kv_cache) != captured
+    rotary.cos = cos
+    param = list(model.parameters())[-1]
+    param.data = param.data.clone()  # an alias update adopting a new tensor
+    assert graph_addresses(model, runner.kv_cache) != captured

@@ -14,6 +14,7 @@ import bisect
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from tandem.kernels import AttentionMetadata
 
@@ -25,6 +26,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """The ladder: 1, 2, 4, multiples of 8 up to 64, then of 16, and ``max_num_seqs``."""
     ladder = [*SMALL_SIZES, *range(8, 64, 8), *range(64, max_num_seqs, 16)]
     return sorted({size for size in ladder if size < max_num_seqs} | {max_num_seqs})
+
+
+def graph_addresses(model: nn.Module, kv_cache: torch.Tensor) -> tuple[int, ...]:
+    """What the decode graphs of ``model`` hold besides their own buffers: the KV pool's,
+    the rotary tables' and every parameter's and buffer's address. Graphs captured over
+    other addresses would read stale memory: a capture is due."""
+    rotary = model.model.rotary_emb
+    tensors = [kv_cache, rotary.cos, rotary.sin, *model.parameters(), *model.buffers()]
+    return tuple(tensor.data_ptr() for tensor in tensors)
 
 
 def padded_batch_size(batch_sizes: list[int], num_seqs: int) -> int | None:

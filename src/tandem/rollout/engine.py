@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, ItemsView, Iterable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -19,7 +19,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
 from .default_model import resolve_model
-from .engine_stats import engine_stats
+from .engine_stats import SleepWakeSeconds, engine_stats
 from .errors import EngineAsleepError
 from .held import Continuation, HeldSequences
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt
@@ -71,9 +71,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
-        self.sleep_level = 0
         self.kv_blocks_used_peak = 0
-        self.weights_offloaded = False
+        self.sleep_level, self.weights_offloaded = 0, False
+        self.sleep_wake_seconds = SleepWakeSeconds()
         # Held by every step and by weight commits, so an update lands between steps.
         self.lock = threading.RLock()
         self._seq_ids = itertools.count()
@@ -102,11 +102,8 @@ class LLMEngine:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> list[int]:
-        """The token ids of a conversation (and ``tools``) under the model's chat template.
-
-        Raises:
-            ValueError: as ``InputProcessor.apply_chat_template``.
-        """
+        """The token ids of a conversation (and ``tools``) under the model's chat template
+        (ValueError as ``InputProcessor.apply_chat_template``)."""
         return self.input_processor.apply_chat_template(conversation, add_generation_prompt, tools)
 
     def add_request(self, request_id: str, prompt: EnginePrompt,
@@ -248,21 +245,28 @@ class LLMEngine:
         return engine_stats(self)
 
     def weight_update(self, version: int | None = None, full: bool = True,
-                      alias: bool = False) -> WeightUpdate:
+                      alias: bool = False, copy: bool = True) -> WeightUpdate:
         """Begin a staged weight update (``tandem.sync.WeightUpdate``): ``load`` tensors, then
-        ``commit`` or ``abort``; as a context manager it commits, or aborts on an exception."""
-        return WeightUpdate(self, version, full, alias)
+        ``commit`` or ``abort``; as a context manager it commits, or aborts on an exception.
+        ``copy=False`` stages matching tensors by reference (unchanged until the commit)."""
+        return WeightUpdate(self, version, full, alias, copy)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int | None = None, full: bool = True,
                        alias: bool = False) -> int:
         """Load and commit an update in one call; returns the new weight version.
 
+        A list, tuple or dict's items (no caller code runs between load and commit) is staged
+        by reference where dtype and device match (``copy=False``); any other iterable is
+        copied as read: a generator may change or free what it yielded once resumed (sharded
+        gathers, TRL's PEFT unmerge). Pass ``list(generator)`` where its tensors stay put.
+
         Raises:
             WeightUpdateError: when a tensor is refused or a full update is incomplete; the
                 engine keeps serving its previous weights.
         """
-        update = self.weight_update(version, full, alias)
+        copy = not isinstance(named_tensors, Seq | ItemsView)
+        update = self.weight_update(version, full, alias, copy)
         update.load(named_tensors)
         return update.commit()
 
@@ -332,13 +336,11 @@ class LLMEngine:
 
     def sleep(self, level: int = 1, preempt: bool = False) -> None:
         """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
-
         With ``preempt`` unfinished requests are kept: their KV is freed and they recompute
         after ``wake_up`` (partial rollouts carried across a step).
 
         Raises:
-            ValueError: for a level other than 1 or 2, or while requests are unfinished
-                (without ``preempt``).
+            ValueError: for a level but 1 or 2, or with requests unfinished (no ``preempt``).
         """
         if level not in (1, 2):
             raise ValueError(f"sleep level {level} is invalid: use 1 (free the KV pool) or 2 "
@@ -346,21 +348,21 @@ class LLMEngine:
         if self.has_unfinished_requests() and not preempt:
             raise ValueError("cannot sleep with unfinished requests: let them finish, abort "
                              "them, or sleep(preempt=True) to recompute them after wake_up.")
-        with self.lock:
-            self.scheduler.preempt_all()
-            self.scheduler.release_held_kv()
-            self.runner.free_kv_cache()
-            if level == 2 and not self.weights_offloaded:
-                self.runner.offload_weights()
-                self.weights_offloaded = True
+        with self.lock, self.sleep_wake_seconds.timing("sleep"):  # stats() sleep_*_seconds
+            with self.sleep_wake_seconds.timing("sleep_kv_cache"):
+                self.scheduler.preempt_all()
+                self.scheduler.release_held_kv()
+                self.runner.free_kv_cache()
+            with self.sleep_wake_seconds.timing("sleep_weights"):
+                if level == 2 and not self.weights_offloaded:
+                    self.runner.offload_weights()
+                    self.weights_offloaded = True
             self.sleep_level = level
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
-        """Restore what ``sleep`` released: the weights, then a fresh (empty) KV pool.
-
-        Once both are back, the decode graphs are captured again (over the new pool).
-        ``tags`` (vLLM's) restores only some: ``"weights"`` and/or ``"kv_cache"``, so a
-        colocated trainer can take the weights back before its memory peak is over.
+        """Restore what ``sleep`` released at the same addresses (the decode graphs stay
+        valid, see ``graphs_current``): the weights, then the KV pool, empty. ``tags``
+        (vLLM's) restores only ``"weights"`` and/or ``"kv_cache"`` (a trainer's peak first).
 
         Raises:
             ValueError: for an unknown tag.
@@ -369,19 +371,24 @@ class LLMEngine:
         if not tags <= set(WAKE_TAGS):
             raise ValueError(f"unknown wake_up tags {sorted(tags - set(WAKE_TAGS))}: use "
                              f"{', '.join(WAKE_TAGS)}.")
-        with self.lock:
-            if "weights" in tags and self.weights_offloaded:
-                self.runner.reload_weights()
-                self.weights_offloaded = False
-            if "kv_cache" in tags and self.runner.kv_cache_bytes() == 0:
-                self.runner.allocate_kv_cache(self.num_kv_blocks)
-                self._new_pool()
-            if self.sleep_level and not self.weights_offloaded and self.runner.kv_cache_bytes():
-                self.sleep_level = 0
-                self.runner.capture_graphs()
+        with self.lock, self.sleep_wake_seconds.timing("wake"):  # stats() wake_*_seconds
+            with self.sleep_wake_seconds.timing("wake_weights"):
+                if "weights" in tags and self.weights_offloaded:
+                    self.runner.reload_weights()
+                    self.weights_offloaded = False
+            with self.sleep_wake_seconds.timing("wake_kv_cache"):
+                if "kv_cache" in tags and self.runner.kv_cache_bytes() == 0:
+                    self.runner.allocate_kv_cache(self.num_kv_blocks)
+                    self._new_pool()
+            with self.sleep_wake_seconds.timing("wake_capture"):
+                if self.sleep_level and not self.weights_offloaded and self.runner.kv_cache_bytes():
+                    self.sleep_level = 0
+                    if not self.runner.graphs_current():
+                        self.runner.capture_graphs()
 
     def _recapture_graphs(self) -> None:
-        if not self.sleep_level:  # asleep, the graphs are gone; wake_up captures them
+        self.runner.drop_graphs()  # asleep, wake_up captures them once the pool is back
+        if not self.sleep_level:
             self.runner.capture_graphs()
 
     def reset_prefix_cache(self) -> None:

@@ -136,13 +136,15 @@ class LLM:
         self.engine.reset_prefix_cache()
 
     def weight_update(self, version: int | None = None, full: bool = True,
-                      alias: bool = False) -> WeightUpdate:
+                      alias: bool = False, copy: bool = True) -> WeightUpdate:
         """Begin a staged weight update (``load`` any number of times, then ``commit``).
 
         ``with llm.weight_update() as update: update.load(named_tensors)`` commits on exit
-        and aborts on an exception.
+        and aborts on an exception. Each loaded tensor is copied as it is loaded;
+        ``copy=False`` stages one already in the engine's dtype on its device by reference
+        (the caller keeps it unchanged until the commit).
         """
-        return self.engine.weight_update(version, full, alias)
+        return self.engine.weight_update(version, full, alias, copy)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int | None = None, full: bool = True,
@@ -151,7 +153,8 @@ class LLM:
 
         A full update (the default) must carry every parameter. Returns the new weight
         version. Raises ``WeightUpdateError`` on a refused tensor; the old weights keep
-        serving.
+        serving. Tensors given as a list, a tuple or a dict's items are not copied before
+        the commit; a generator's are (see ``LLMEngine.update_weights``).
         """
         return self.engine.update_weights(named_tensors, version, full, alias)
 

@@ -9,8 +9,8 @@ graphs for pure-decode steps (``cuda_graphs.py``).
 
 from __future__ import annotations
 
+import functools
 import math
-import mmap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +19,16 @@ import torch
 from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
-from tandem.sync.protocol import WeightUpdateError, check_finite
+from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
 from .attention_layout import cascade_layout, long_tensor, padded_tensor
 from .block_manager import num_blocks_for
-from .cuda_graphs import DecodeGraphs, graph_batch_sizes
+from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
 from .loader import load_weights
 from .models import build_model
 from .models.llama import LoraLinear, head_dim_of
 from .outputs import SamplerOutput
+from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
 from .scheduler import ScheduledBatch
 from .tensor_parallel import (
@@ -37,6 +38,7 @@ from .tensor_parallel import (
     local_slice,
     lora_slice,
 )
+from .weight_offload import OffloadableWeights
 
 
 @dataclass(slots=True)
@@ -76,19 +78,32 @@ class ModelRunner:
         self.model = build_model(hf_config, dtype, device, max_model_len, self.ops, self.tp)
         load_weights(self.model, model_dir)
         self.model.eval()
+        # On CUDA the weights live in one releasable region: sleep(2) offloads them in one copy.
+        self.offloadable_weights = releasable_or_none(
+            lambda: OffloadableWeights(self.model, device), "weights") \
+            if device.type == "cuda" else None
         if device.type == "cpu" and self.ops.name != "triton":
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.kv_cache = torch.empty(0)
+        self.kv_region: ReleasableMemory | None = None
         self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
         captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
         self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None
+        self.graph_addresses: tuple[int, ...] | None = None  # what the graphs were captured over
+        self.graph_captures = 0
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by Hugging Face name (a tied one under its first name)."""
+        return dict(self._parameters)
+
+    @functools.cached_property
+    def _parameters(self) -> dict[str, torch.Tensor]:
+        # Walked once (0.5 ms an update on an H200): updates, offloads and aliases change a
+        # parameter's data, never the parameter.
         return dict(self.model.named_parameters())
 
     def tied_parameter_names(self) -> set[str]:
@@ -102,14 +117,13 @@ class ModelRunner:
         an adopted tensor moved a parameter to new storage. Aliasing ends the CPU weight
         layouts (copies would go stale: an aliased weight changes in place unseen)."""
         parameters, moved = self.weight_parameters(), False
-        if alias:
-            self.model.pack_linear_weights(None)
+        if not alias:
+            self._copy_in(parameters, staged)
+            return False
+        self.model.pack_linear_weights(None)
         for name, tensor in staged.items():
-            if alias:
-                moved |= parameters[name].data_ptr() != tensor.data_ptr()
-                parameters[name].data = tensor
-            else:
-                parameters[name].copy_(tensor)
+            moved |= parameters[name].data_ptr() != tensor.data_ptr()
+            parameters[name].data = tensor
         return moved
 
     @torch.no_grad()
@@ -122,21 +136,26 @@ class ModelRunner:
             slices = {name: local_slice(name, tensor, config, self.tp).to(
                 parameters[name].device, parameters[name].dtype, copy=True)
                 for name, tensor in staged.items()}
-            for name, tensor in slices.items():
-                check_finite(name, tensor)
+            check_all_finite(slices.items())
         except (WeightUpdateError, RuntimeError, KeyError):
             slices = None
         refusing = self.tp.refusals(slices is not None)
         if not refusing:
-            for name, tensor in slices.items():
-                parameters[name].copy_(tensor)
+            self._copy_in(parameters, slices)
         return refusing
+
+    @staticmethod
+    def _copy_in(parameters: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+        """Copy each tensor into its parameter in one ``torch._foreach_copy_`` (a few kernels
+        on a GPU; it bumps version counters as ``copy_``, so CPU packed copies rebuild)."""
+        if tensors:
+            torch._foreach_copy_([parameters[name] for name in tensors], list(tensors.values()))
 
     def full_weight(self, name: str) -> torch.Tensor | None:
         """The whole weight ``name`` of a projection (or a replicated tensor): under tensor
         parallelism gathered from every rank's slice, on the driver (None on the other
         ranks) or with SPMD on every rank."""
-        local = dict(self.model.named_parameters())[name].detach()
+        local = self._parameters[name].detach()
         if self.tp.size == 1:
             return local
         parts = self.tp.gather(local)
@@ -167,12 +186,24 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``,
-        stored head-major (``pool_layout``); ``kv_heads`` this rank's."""
+        stored head-major (``pool_layout``); ``kv_heads`` this rank's.
+
+        It lives in a ``ReleasableMemory``, zeroed: after ``free_kv_cache`` it comes back at
+        the same address (the decode graphs hold it). On CPU it is resident where written.
+        """
         config = self.model.config
         storage, order = pool_layout((2, config.num_hidden_layers, num_blocks, self.block_size,
                                       local_heads(config, self.tp.size)[1],
                                       head_dim_of(config)))
-        self.kv_cache = _zeros(storage, self.dtype, self.device).permute(order)
+        num_bytes = math.prod(storage) * self.dtype.itemsize
+        if self.kv_region is None or self.kv_region.num_bytes != num_bytes:
+            self.kv_region = releasable_or_none(
+                lambda: ReleasableMemory(num_bytes, self.device), "KV cache")
+        if self.kv_region is not None:
+            self.kv_region.restore()
+        flat = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device) \
+            if self.kv_region is None else self.kv_region.tensor
+        self.kv_cache = typed_view(flat, 0, storage, self.dtype).permute(order)
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
@@ -184,10 +215,12 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture the decode graphs anew over the current pool and weights.
 
-        Call it after the pool or a weight's storage moved (graphs hold addresses). Records
-        the capture's seconds and the device memory it took. A no-op without graphs.
+        Call it after the pool or a weight's storage moved (graphs hold addresses; see
+        ``graphs_current``). Records the addresses, the capture's seconds and the device
+        memory it took; without a ladder (no graphs) only the addresses.
         """
         self.graphs = None
+        self.graph_addresses = graph_addresses(self.model, self.kv_cache)
         if not self.graph_sizes:
             return
         self._return_cached_device_memory()  # so the old graphs' pool does not hide the cost
@@ -197,30 +230,60 @@ class ModelRunner:
         with torch.inference_mode():
             graphs.capture(self.model)
         self.graph_capture_seconds = time.perf_counter() - start
+        self.graph_captures += 1
         self.graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         self.graphs = graphs
 
+    def graphs_current(self) -> bool:
+        """True when no capture is due: the decode graphs (none without a ladder) were
+        captured over the addresses the model reads now (``graph_addresses``)."""
+        return self.graph_addresses == graph_addresses(self.model, self.kv_cache)
+
+    def drop_graphs(self) -> None:
+        """Forget the decode graphs (their captured code path changed); the next
+        ``capture_graphs`` makes new ones."""
+        self.graphs, self.graph_addresses = None, None
+
     def free_kv_cache(self) -> None:
-        """Release the KV pool's memory, the graphs that read it and every sequence's seeded
-        generator (no sequence outlives its pool); ``allocate_kv_cache`` restores a fresh
-        pool, ``capture_graphs`` the graphs."""
+        """Release the KV pool's memory and every sequence's seeded generator (no sequence
+        outlives its pool); ``allocate_kv_cache`` brings a zeroed pool back at the same
+        address, so the decode graphs are kept."""
         self.sampler.release(list(self.sampler.seq_generators))
-        self.graphs = None
         self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         for attention in self.model.attention_layers():
             attention.k_cache = attention.v_cache = self.kv_cache
+        if self.kv_region is not None:
+            self.kv_region.release()
         self._return_cached_device_memory()
 
     def offload_weights(self) -> None:
-        """Move the weights to CPU memory (a no-op on CPU)."""
-        self.model.to("cpu")
-        self._move_rotary("cpu")
+        """Move the weights to CPU memory (a no-op on CPU): on CUDA in one copy to pinned
+        memory while the weights' region holds every parameter (buffers stay); else, after
+        an alias update, parameter by parameter with the rotary tables (new addresses on
+        reload, so ``graphs_current`` asks for a capture)."""
+        weights = self._offloadable_weights()
+        if weights is not None:
+            weights.offload(self.model)
+        else:
+            self.model.to("cpu")
+            self._move_rotary("cpu")
         self._return_cached_device_memory()
 
     def reload_weights(self) -> None:
-        """Move the weights back to the engine's device."""
+        """Move the weights back to the engine's device: to their old addresses where they
+        left in one copy; anything else on CPU (LoRA factors set while asleep) follows."""
+        weights = self._offloadable_weights()
+        if weights is not None:
+            weights.reload(self.model)
         self.model.to(self.device)
         self._move_rotary(self.device)
+
+    def _offloadable_weights(self) -> OffloadableWeights | None:
+        """The weights' region while it holds every parameter (an alias ends it for good)."""
+        weights = self.offloadable_weights
+        if weights is not None and not weights.holds(self.model):
+            self.offloadable_weights = weights = None
+        return weights
 
     def _return_cached_device_memory(self) -> None:
         if self.device.type == "cuda":
@@ -335,18 +398,3 @@ class ModelRunner:
                            self._long(sample_rows + prompt_rows), copies),
                 len(sample_rows), scored)
 
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed tensor; on CPU a fresh anonymous mapping.
-
-    Padded attention reads past a sequence's end, so the pool must never hold NaN garbage.
-    ``torch.zeros`` on CPU would write (and make resident) the whole pool at start; a fresh
-    anonymous mapping is zero and costs memory only where written. Not huge pages: in the
-    head-major pool a block is a short run (``block_size * head_dim`` values) per layer, KV
-    head and K/V, so one 2 MiB page would make hundreds of blocks resident per block used.
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * dtype.itemsize
-    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(mapping, dtype=dtype).view(shape)

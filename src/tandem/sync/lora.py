@@ -34,7 +34,13 @@ from typing import Any
 import torch
 
 from .names import engine_name
-from .protocol import LoraTarget, WeightUpdate, WeightUpdateError, check_finite, next_version
+from .protocol import (
+    LoraTarget,
+    WeightUpdate,
+    WeightUpdateError,
+    check_all_finite,
+    next_version,
+)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
 
@@ -256,8 +262,8 @@ class LoraSync:
             if weight not in parameters:
                 raise WeightUpdateError(f"unknown module: the engine has no weight {weight!r}.")
             _check_fits(weight, module_factors, parameters[weight])
-            check_finite(weight, module_factors.lora_a)
-            check_finite(weight, module_factors.lora_b)
+        check_all_finite((weight, factor) for weight, module_factors in factors.items()
+                         for factor in (module_factors.lora_a, module_factors.lora_b))
         version = next_version(self.engine, version)
         self.engine.commit_lora({w: (f.lora_a, f.lora_b, f.scale) for w, f in factors.items()},
                                 version, self.lora_id + 1)

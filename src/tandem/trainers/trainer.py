@@ -334,7 +334,8 @@ class Trainer:
             from tandem.sync import peft_adapter_state
 
             return timed(lambda: self.lora_sync.update(*peft_adapter_state(model)))[1]
-        return timed(lambda: self.llm.update_weights(full_named_parameters(model),
+        # A list (nothing changes it before the commit): staged by reference where dtypes match.
+        return timed(lambda: self.llm.update_weights(list(full_named_parameters(model)),
                                                      alias=self.config.sync_alias))[1]
 
     def evaluate(self) -> dict[str, float]:
