@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from tandem.rollout import LLM
 from tandem.rollout.default_model import embedded_model_dir
@@ -137,3 +138,22 @@ def report_linear_layout(llm: LLM) -> None:
     ``kernels/cpu_linear.py``): figures from different machines may differ by it."""
     print(f"  tandem's linear layout: {llm.engine.runner.model.linear_layout or 'F.linear'}",
           flush=True)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def byte_tokenizer(sentences: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text) of about 320 tokens trained on ``sentences``,
+    with ``<|bos|>``, ``<|eos|>`` and a chat template, for random test models."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(sentences * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>",
+                                   eos_token="<|eos|>", pad_token="<|eos|>",
+                                   chat_template=CHAT_TEMPLATE)

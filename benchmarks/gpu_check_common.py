@@ -11,7 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from common import CHAT_TEMPLATE, byte_tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
 
 from tandem.rollout import LLM
@@ -28,9 +29,6 @@ TOY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_lay
            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
            max_position_embeddings=2048, rope_theta=1000000.0, rms_norm_eps=1e-6,
            tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
 TOKENIZER_TEXT = ["What is 2+3? The answer is 5.", "If I have 7 apples and eat 2, 5 are left.",
                   "Seventeen times four is sixty-eight.", '{"name": "Ada", "age": 36}']
 
@@ -141,17 +139,9 @@ def save_word_tokenizer(folder: Path, shape: dict) -> None:
 
 def save_byte_tokenizer(folder: Path) -> int:
     """A small byte-level BPE tokenizer (any text, JSON included); returns its size."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(TOKENIZER_TEXT * 20, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|eos|>",
-                                   chat_template=CHAT_TEMPLATE)
-    fast.save_pretrained(folder)
-    return len(fast)
+    tokenizer = byte_tokenizer(TOKENIZER_TEXT)
+    tokenizer.save_pretrained(folder)
+    return len(tokenizer)
 
 
 def save_random_model(shape: dict, folder: Path, dtype: torch.dtype, device: torch.device,

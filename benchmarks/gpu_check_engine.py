@@ -14,6 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
+import sync as sync_benchmark  # benchmarks/sync.py
 import torch
 from gpu_check_common import (
     Recorder,
@@ -31,8 +32,6 @@ from safetensors.torch import save_file
 from tandem.kernels.testing import TOLERANCE, relative_error
 from tandem.rollout import LLM, SamplingParams
 from tandem.sync import LoraSpec, LoraSync
-
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def random_prompts(count: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -320,19 +319,11 @@ def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Te
             for name, t in weights.items()}
 
 
-def lora_adapter(weights: dict[str, torch.Tensor], rank: int, seed: int) -> dict:
-    """A random PEFT-named adapter on every projection."""
-    generator = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
-    adapter = {}
-    for name, weight in weights.items():
-        module = name.removesuffix(".weight")
-        if module.rsplit(".", 1)[-1] in PROJECTIONS:
-            out_features, in_features = weight.shape
-            adapter[f"{module}.lora_A.weight"] = 0.05 * torch.randn(
-                rank, in_features, generator=generator, device=weight.device)
-            adapter[f"{module}.lora_B.weight"] = 0.05 * torch.randn(
-                out_features, rank, generator=generator, device=weight.device)
-    return adapter
+def device_adapter(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``benchmarks/sync.py``'s seeded rank-16 adapter on every projection, on the weights'
+    device."""
+    device = next(iter(weights.values())).device
+    return {name: t.to(device) for name, t in sync_benchmark.lora_adapter(weights).items()}
 
 
 def merged_reference(weights: dict[str, torch.Tensor], adapter: dict, scale: float) -> dict:
@@ -366,15 +357,16 @@ def check_updates(rec: Recorder, folder: Path, work: Path) -> None:
     llm.update_weights(alias.items(), alias=True)
     check_against_fresh(rec, "alias update", llm, save_weights(folder, work / "alias", alias),
                         prompts, tokens)
-    spec = LoraSpec(r=16, lora_alpha=32, target_modules=list(PROJECTIONS))
-    adapter = lora_adapter(alias, 16, seed=3)
+    spec = LoraSpec(r=sync_benchmark.LORA_RANK, lora_alpha=2 * sync_benchmark.LORA_RANK,
+                    target_modules=list(sync_benchmark.PROJECTIONS))
+    adapter = device_adapter(alias)
     merged = merged_reference(alias, adapter, spec.scale)  # before the merge writes `alias`
     LoraSync(llm).update(adapter.items(), spec)
     check_against_fresh(rec, "LoRA merge", llm, save_weights(folder, work / "lora", merged),
                         prompts, tokens)
     del llm
     collect()
-    check_lora_runtime(rec, folder, lora_adapter(weights, 16, seed=4), spec)
+    check_lora_runtime(rec, folder, device_adapter(weights), spec)
 
 
 def check_against_fresh(rec: Recorder, name: str, llm: LLM, saved: Path,

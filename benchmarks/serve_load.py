@@ -76,9 +76,8 @@ from typing import Any
 import httpx
 import serve_aiperf
 import torch
-from common import print_table
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from common import byte_tokenizer, print_table
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.rollout.default_model import embedded_model_dir
 from tandem.rollout.serving.client import ServerError, TandemClient
@@ -88,9 +87,6 @@ API_KEY = "serve-load-key"
 SENTENCES = ["What is 2+3? The answer is 5.", "The quick brown fox jumps over the lazy dog.",
              "Tandem shares a GPU with the trainer and samples groups of completions.",
              "def add(a, b):\n    return a + b\n", "Seventeen times four is sixty-eight."]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
 ENGINE_OPTIONS = ["--max-model-len", "256", "--num-kv-blocks", "1024"]
 Status = int | str  # an HTTP status, or "disconnected", "stream-error", "timeout", "error: ..."
 Target = tuple[str, bool, str]  # name, passed, what was measured
@@ -98,15 +94,7 @@ Target = tuple[str, bool, str]  # name, passed, what was measured
 
 def save_tiny_model(folder: Path) -> dict[str, torch.Tensor]:
     """Save a random tiny Llama (float32) and a BPE tokenizer to ``folder``; the weights."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.train_from_iterator(SENTENCES * 20, trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|bos|>",
-                                   eos_token="<|eos|>", pad_token="<|eos|>",
-                                   chat_template=CHAT_TEMPLATE)
+    fast = byte_tokenizer(SENTENCES)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
