@@ -105,8 +105,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def decode(self, data: st.DataObject, token: int) -> None:
         seq = data.draw(st.sampled_from([s for s in self.seqs if not s.num_uncomputed_tokens]))
         seq.token_ids.append(token)
+        in_place = self.manager.appends_in_place(seq)
+        before = (list(seq.block_table), list(seq.block_hashes), self.manager.num_free_blocks,
+                  dict(self.manager.cached_block_ids))
         if not self.allocate_and_compute(seq, 1):
             seq.token_ids.pop()
+        elif in_place:  # the scheduler skips allocate_slots: it must have changed nothing
+            assert before == (seq.block_table, seq.block_hashes, self.manager.num_free_blocks,
+                              self.manager.cached_block_ids)
 
     @precondition(lambda self: any(not s.num_uncomputed_tokens for s in self.seqs))
     @rule(data=st.data())
@@ -256,6 +262,28 @@ def test_short_pool_refuses_allocation_and_changes_nothing():
     assert manager.allocate_slots(seq, seq.num_tokens) is None
     assert seq.block_table == [] and manager.num_free_blocks == 2
     assert manager.num_queried_tokens == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decode_appends_in_place_unless_it_starts_fills_or_shares_a_block(caching):
+    manager = BlockManager(8, BLOCK_SIZE, enable_prefix_caching=caching)
+    seq = make_seq(0, list(range(BLOCK_SIZE + 1)))
+    manager.allocate_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+
+    def decode() -> bool:
+        seq.token_ids.append(7)
+        in_place = manager.appends_in_place(seq)
+        manager.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        return in_place
+
+    assert [decode() for _ in range(BLOCK_SIZE)] == [True] * (BLOCK_SIZE - 2) + [
+        not caching, False]  # the last fills the block (registered), the next starts one
+    child = make_seq(1, seq.token_ids)
+    manager.fork(seq, child)
+    assert not decode()  # the partly filled last block is shared: copy-on-write
+    assert decode()
 
 
 def test_empty_blocks_go_before_cached_ones_which_are_evicted_lru_tail_first():

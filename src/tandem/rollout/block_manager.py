@@ -19,6 +19,7 @@ grow to its configured size: that is what the cache is for.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from array import array
@@ -41,9 +42,16 @@ def block_hash(parent_hash: bytes | None, extra_key: ExtraKey, token_ids: tuple[
     """The prefix-cache key of a full block: sha256 over a canonical encoding of its
     parent's key (chained), the extra key and its token ids."""
     digest = hashlib.sha256(parent_hash or bytes(32))
-    digest.update(json.dumps(extra_key).encode())
+    digest.update(_encoded(extra_key))
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded(extra_key: ExtraKey) -> bytes:
+    """The canonical bytes of an extra key (cached: a pool sees few, and JSON costs half
+    a block's hash)."""
+    return json.dumps(extra_key).encode()
 
 
 @dataclass(slots=True)
@@ -162,6 +170,18 @@ class BlockManager:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += len(hits) * self.block_size
         return SlotAllocation(len(hits) * self.block_size, num_new_tokens, copy)
+
+    def appends_in_place(self, seq: Sequence) -> bool:
+        """True when ``seq``'s one uncomputed token (a decode's) lands in a block it holds
+        alone and fills no block the prefix cache would register: ``allocate_slots(seq, 1)``
+        would then change nothing and copy nothing, so it need not be called (15 decodes in
+        16, asked once per sequence per step)."""
+        num_tokens, table, size = len(seq.token_ids), seq.block_table, self.block_size
+        if num_tokens > len(table) * size:
+            return False  # a new block is due
+        if self.blocks[table[(num_tokens - 1) // size]].ref_count != 1:
+            return False  # shared: a copy-on-write is due
+        return not self.enable_prefix_caching or num_tokens // size <= len(seq.block_hashes)
 
     def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
         """The tokens ``seq`` still has to compute: its uncomputed ones, less the cached

@@ -1,10 +1,11 @@
 """Runs one scheduled step on the device: flatten, forward, project, sample.
 
-The runner owns the model, the KV pool tensors and the sampler. It turns a
-``ScheduledBatch`` into one flat token stream (``input_ids``, ``positions``,
-``slot_mapping``, ``block_tables``, ``context_lens``, ``cu_seqlens_q``) and projects only the
-rows that sample through the LM head. On CUDA with the Triton kernels it replays captured
-graphs for pure-decode steps (``cuda_graphs.py``).
+The runner owns the model, the KV pool tensors and the sampler. Its ``InputBatch``
+(``input_batch.py``, the block tables kept across steps) turns a ``ScheduledBatch`` into one
+flat token stream (``input_ids``, ``positions``, ``slot_mapping``, ``block_tables``,
+``context_lens``, ``cu_seqlens_q``); the runner projects only the rows that sample through
+the LM head. On CUDA with the Triton kernels it replays captured graphs for pure-decode
+steps (``cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,9 +21,10 @@ from transformers import PretrainedConfig
 from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
-from .attention_layout import cascade_layout, long_tensor, padded_tensor
+from .attention_layout import long_tensor
 from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
+from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
 from .models import build_model
 from .models.llama import LoraLinear, head_dim_of
@@ -39,20 +40,6 @@ from .tensor_parallel import (
     lora_slice,
 )
 from .weight_offload import OffloadableWeights
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's tensors, all a rank needs to run it: the flat token stream, its attention
-    metadata, the rows whose logits are needed (the sampling rows, then the prompt
-    positions scored for prompt log-probs) and the copy-on-write block copies
-    (``[2, copies]``: sources, destinations)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    logit_rows: torch.Tensor
-    copies: torch.Tensor
 
 
 class ModelRunner:
@@ -85,6 +72,7 @@ class ModelRunner:
         if device.type == "cpu" and self.ops.name != "triton":
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
+        self.input_batch = InputBatch(block_size, device, self.ops.cascade)
         self.kv_cache = torch.empty(0)
         self.kv_region: ReleasableMemory | None = None
         self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
@@ -306,10 +294,11 @@ class ModelRunner:
         logits = self.run_step(step).float()
         sampling, prompt = logits[:num_sampling], logits[num_sampling:]
         groups = batch.sampling_groups()
-        if any(len(group) > 1 for group in groups):
+        seqs = [seq for group in groups for seq in group]
+        if len(seqs) > len(groups):
             sizes = torch.tensor([len(group) for group in groups], device=logits.device)
             sampling = sampling.repeat_interleave(sizes, dim=0)
-        output = self.sampler(sampling, [seq for group in groups for seq in group])
+        output = self.sampler(sampling, seqs)
         output.prompt_logprobs = self._prompt_logprobs(batch, prompt, scored)
         return output
 
@@ -324,7 +313,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[step.logit_rows])
 
     def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor,
-                         scored: list[tuple[int, int, int]]) -> dict[int, list[dict[int, float]]]:
+                         scored: ScoredPositions) -> dict[int, list[dict[int, float]]]:
         """Per ``(batch row, start, end)`` of ``scored``, the prompt log-probs of positions
         ``start`` to ``end``, whose logits are the next rows of ``logits``."""
         out: dict[int, list[dict[int, float]]] = {}
@@ -337,20 +326,6 @@ class ModelRunner:
             first += end - start
         return out
 
-    @staticmethod
-    def _scored_positions(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
-        """``(batch row, start, end)`` of the prompt positions each chunk scores that were
-        not scored before (a recompute after preemption scores none)."""
-        scored = []
-        for i, seq in enumerate(batch.seqs):
-            if not seq.needs_prompt_logprobs:
-                continue
-            start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
-            end = min(seq.num_computed_tokens + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
-            if start < end:
-                scored.append((i, start, end))
-        return scored
-
     def _long(self, values: list) -> torch.Tensor:
         return long_tensor(values, self.device)
 
@@ -362,39 +337,7 @@ class ModelRunner:
             return graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 
-    def _prepare(self, batch: ScheduledBatch
-                 ) -> tuple[StepInputs, int, list[tuple[int, int, int]]]:
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, int, ScoredPositions]:
         """The step's inputs, how many of its logit rows sample, and the prompt positions
-        it scores (see ``_scored_positions``)."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens_q = [0]
-        sample_rows: list[int] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + num_new]
-            span = range(start, start + num_new)
-            positions += span
-            slot_mapping += [seq.block_table[p // self.block_size] * self.block_size
-                             + p % self.block_size for p in span]
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
-            if start + num_new == seq.num_tokens:
-                sample_rows.append(cu_seqlens_q[-1] - 1)
-        context_lens = [seq.num_computed_tokens + n
-                        for seq, n in zip(batch.seqs, batch.num_new_tokens)]
-        metadata = AttentionMetadata(
-            slot_mapping=self._long(slot_mapping),
-            block_tables=padded_tensor([seq.block_table for seq in batch.seqs], self.device),
-            context_lens=self._long(context_lens), cu_seqlens_q=self._long(cu_seqlens_q),
-            num_decodes=batch.num_decodes, max_query_len=max(batch.num_new_tokens))
-        if self.ops.cascade and batch.num_decodes:
-            metadata.cascade = cascade_layout(batch, self.block_size, self.device)
-        scored = self._scored_positions(batch)
-        prompt_rows = [cu_seqlens_q[i] - batch.seqs[i].num_computed_tokens + position
-                       for i, start, end in scored for position in range(start, end)]
-        copies = self._long([list(c) for c in zip(*batch.copies)]).view(2, -1)
-        return (StepInputs(self._long(input_ids), self._long(positions), metadata,
-                           self._long(sample_rows + prompt_rows), copies),
-                len(sample_rows), scored)
-
+        it scores (``InputBatch.prepare``)."""
+        return self.input_batch.prepare(batch)

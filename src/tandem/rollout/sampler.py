@@ -29,18 +29,27 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token for each ``seqs[i]`` from ``logits[i]``."""
         logits = logits.float()
+        # The requests of a batch mostly share a few SamplingParams: a step asks each one
+        # once whether it uses a feature, and walks the rows only for features in use.
+        distinct = list({id(s.sampling_params): s.sampling_params for s in seqs}.values())
         apply_grammar_masks(logits, seqs)
-        self._apply_penalties(logits, seqs)
-        self._suppress_stop_tokens(logits, seqs)
-        processed = self._apply_temperature(logits, seqs)
-        truncated = self._truncate(processed, seqs)
+        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+               for p in distinct):
+            self._apply_penalties(logits, seqs)
+        if any(p.min_tokens for p in distinct):
+            self._suppress_stop_tokens(logits, seqs)
+        processed = logits if all((p.temperature or 1.0) == 1.0 for p in distinct) \
+            else self._apply_temperature(logits, seqs)
+        truncated = self._truncate(processed, seqs) if any(p.truncates for p in distinct) \
+            else processed
         logprobs = torch.log_softmax(truncated, dim=-1)
-        token_ids = self._draw(logprobs, seqs)
+        token_ids = self._draw(logprobs, seqs, any(p.greedy for p in distinct))
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
         thresholds = None if truncated is processed else \
             kept_thresholds(processed, truncated, [s.sampling_params.truncates for s in seqs])
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), _top_logprobs(logprobs, seqs),
-                             thresholds)
+        top = _top_logprobs(logprobs, seqs) if any(p.logprobs for p in distinct) \
+            else [None] * len(seqs)
+        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top, thresholds)
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget the generators of finished sequences."""
@@ -104,31 +113,36 @@ class Sampler:
             logits = apply_min_p(logits, torch.tensor(min_p, device=logits.device))
         return logits
 
-    def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence], any_greedy: bool
+              ) -> torch.Tensor:
         """Argmax for greedy rows; inverse-CDF sampling with one uniform per row otherwise.
 
         One uniform per row is cheap (per-element noise costs tens of ms per step on a CPU
-        at a 49k vocabulary), and lets each seeded row draw from its own generator.
+        at a 49k vocabulary), and lets each seeded row draw from its own generator: the
+        engine's generator draws one for every sampled row, and a seeded row's own
+        generator replaces it (so unseeded rows draw the same whatever rows are seeded).
         """
-        rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy]
-        if not rows or len(rows) < len(seqs):
+        device = logprobs.device
+        rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy] \
+            if any_greedy else range(len(seqs))
+        if any_greedy or not rows:
             token_ids = logprobs.argmax(dim=-1)
             if not rows:
                 return token_ids
-        else:
-            token_ids = torch.empty(len(seqs), dtype=torch.long, device=logprobs.device)
-        uniform = torch.rand(len(rows), 1, generator=self.generator, device=logprobs.device)
-        for j, i in enumerate(rows):
-            if seqs[i].seed is not None:
-                uniform[j] = torch.rand(1, generator=self._generator_of(seqs[i]),
-                                        device=logprobs.device)
-        index = torch.tensor(rows, device=logprobs.device)
-        sampled_logprobs = logprobs if len(rows) == len(seqs) else logprobs[index]
-        cdf = sampled_logprobs.exp().cumsum_(dim=-1)
+        uniform = torch.rand(len(rows), 1, generator=self.generator, device=device)
+        seeded = [j for j, i in enumerate(rows) if seqs[i].seed is not None]
+        if seeded:
+            uniform[seeded, 0] = torch.cat([
+                torch.rand(1, generator=self._generator_of(seqs[rows[j]]), device=device)
+                for j in seeded])
+        cdf = (logprobs if len(rows) == len(seqs) else logprobs[rows]).exp().cumsum_(dim=-1)
         # Scaling by the row total absorbs float32 rounding in the cumulative sum; a token of
         # probability 0 adds nothing to the sum, so "first entry above u" never picks it.
-        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True)
-        token_ids[index] = sampled.squeeze(1).clamp(max=logprobs.shape[1] - 1)
+        sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
+        sampled = sampled.clamp(max=logprobs.shape[1] - 1)
+        if len(rows) == len(seqs):
+            return sampled
+        token_ids[rows] = sampled
         return token_ids
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:

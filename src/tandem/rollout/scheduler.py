@@ -12,6 +12,7 @@ tensor; the model runner turns its ``ScheduledBatch`` into one.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -66,8 +67,9 @@ class ScheduledBatch:
         A row's group is its sequence and, when a group's prompt completes, the children that
         fork from it.
         """
-        return [[seq, *_live(seq.pending_children)]
-                for i, seq in enumerate(self.seqs) if self.samples(i)]
+        return [[seq, *_live(seq.pending_children)] if seq.pending_children else [seq]
+                for seq, num_new in zip(self.seqs, self.num_new_tokens)
+                if seq.num_computed_tokens + num_new == len(seq.token_ids)]
 
     def add(self, seq: Sequence, num_new_tokens: int, copy: tuple[int, int] | None) -> None:
         """Schedule ``num_new_tokens`` of ``seq`` (after ``copy``, if any)."""
@@ -122,12 +124,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences: decodes, then running prefills, then admissions."""
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
-            if budget == 0:
-                break
-            if seq.status is SequenceStatus.RUNNING and self._schedule_decode(batch, seq):
-                budget -= 1  # (not RUNNING: preempted earlier in this loop for an older one)
+        budget = self._schedule_decodes(batch, self.max_num_batched_tokens)
         batch.num_decodes = len(batch.seqs)
         self.num_decode_steps += bool(batch.num_decodes)
         self.num_decoded_seqs += batch.num_decodes
@@ -161,6 +158,25 @@ class Scheduler:
         if budget * 2 > self.max_num_batched_tokens or seq.num_uncomputed_tokens <= budget:
             return False  # (fitting uncached, it needs no prefix lookup, which hashes)
         return self.block_manager.num_tokens_to_compute(seq, _uses_cache(seq)) > budget
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        """Schedule the running decodes, oldest first, within ``budget``; the budget left.
+
+        Most decodes write into a block they hold alone (``appends_in_place``) and need no
+        allocation; the others go through ``allocate_slots`` and may preempt.
+        """
+        appends_in_place = self.block_manager.appends_in_place
+        for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop for an older one
+            if appends_in_place(seq):
+                batch.add(seq, 1, None)
+            elif not self._schedule_decode(batch, seq):
+                continue
+            budget -= 1
+        return budget
 
     def _schedule_decode(self, batch: ScheduledBatch, seq: Sequence) -> bool:
         """Schedule ``seq``'s next token, preempting the newest sequences for room.
@@ -264,18 +280,18 @@ class Scheduler:
         order. Returns the sequences finished in this step.
         """
         finished: list[Sequence] = []
-        row = 0
-        for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
-            seq.num_computed_tokens += batch.num_new_tokens[i]
-            seq.prompt_logprobs += output.prompt_logprobs.get(i, [])
+        for i, scored in output.prompt_logprobs.items():
+            batch.seqs[i].prompt_logprobs += scored
+        rows = zip(output.token_ids, output.logprobs, output.top_logprobs,
+                   output.thresholds or itertools.repeat(None))
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            samples = seq.num_computed_tokens + num_new == len(seq.token_ids)
+            seq.num_computed_tokens += num_new
             if not samples:
                 continue
-            for member in self._fork(seq):
-                member.append_token(output.token_ids[row], output.logprobs[row],
-                                    output.top_logprobs[row], weight_version,
-                                    output.thresholds[row] if output.thresholds else None)
-                row += 1
+            for member in self._fork(seq) if seq.pending_children else (seq,):
+                token_id, logprob, top_logprobs, threshold = next(rows)
+                member.append_token(token_id, logprob, top_logprobs, weight_version, threshold)
                 finish_reason = self._stop_reason(member)
                 if finish_reason is not None:
                     self.finish(member, finish_reason)
@@ -287,11 +303,12 @@ class Scheduler:
 
         Sets ``seq.stop_reason`` to the stop token id or stop string that matched.
         """
-        params = seq.sampling_params
-        token = seq.token_ids[-1]
+        params, token_ids = seq.sampling_params, seq.token_ids
+        token = token_ids[-1]
         if seq.matcher is not None and seq.matcher.is_terminated():
             return "stop"  # the grammar ended (on a stop token), whatever ignore_eos says
-        if seq.num_output_tokens >= params.min_tokens:
+        num_output_tokens = len(token_ids) - seq.num_prompt_tokens
+        if num_output_tokens >= params.min_tokens:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return "stop"
@@ -301,7 +318,7 @@ class Scheduler:
             if matched is not None:
                 seq.stop_reason = matched
                 return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -32,7 +32,8 @@ from tandem.sync.protocol import WeightUpdateError
 
 from . import tp_wire
 from .config import EngineConfig
-from .model_runner import ModelRunner, StepInputs
+from .input_batch import StepInputs
+from .model_runner import ModelRunner
 from .tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,

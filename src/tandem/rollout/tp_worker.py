@@ -21,7 +21,8 @@ from transformers import AutoConfig
 
 from . import tp_wire
 from .config import DTYPES
-from .model_runner import ModelRunner, StepInputs
+from .input_batch import StepInputs
+from .model_runner import ModelRunner
 from .tensor_parallel import TensorParallel, device_group, rank_device
 
 # What a message may ask of the worker's runner (and nothing else).

@@ -1,0 +1,194 @@
+"""A step's input tensors, built from the running batch's block tables kept across steps.
+
+As vLLM v1's persistent batch: each sequence of a step holds a row of one block-table
+tensor for as long as it stays in consecutive steps, and a step writes only the entries
+that changed since the last, in one indexed write. A decode's table changes only at its
+end (a block added, or its last block copied on write) between two steps; a prefill chunk's
+row is written whole (any of its blocks may have changed: a cache hit, a resumed
+continuation, a recompute after preemption). The step's ``block_tables`` are the rows of its
+sequences, its ``slot_mapping`` gathered from them for every position, both in tensor ops;
+Python touches each sequence a few times per step, never each of its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.kernels import AttentionMetadata
+
+from .attention_layout import cascade_layout, long_tensor
+from .scheduler import ScheduledBatch
+from .sequence import Sequence
+
+ScoredPositions = list[tuple[int, int, int]]  # (batch row, first, end) prompt positions
+Updates = tuple[list[int], list[int], list[int]]  # rows, columns, values of table entries
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's tensors, all a rank needs to run it: the flat token stream, its attention
+    metadata, the rows whose logits are needed (the sampling rows, then the prompt
+    positions scored for prompt log-probs) and the copy-on-write block copies
+    (``[2, copies]``: sources, destinations)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor
+    copies: torch.Tensor
+
+
+class InputBatch:
+    """The block tables of the last step's sequences, one row each, and the step inputs.
+
+    Args:
+        block_size: tokens per KV block.
+        device: where the step's tensors go (the rows stay in host memory).
+        cascade: lay the decodes out for cascade attention (the torch kernels).
+    """
+
+    def __init__(self, block_size: int, device: torch.device, cascade: bool) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.cascade = cascade
+        self.tables = torch.zeros(0, 0, dtype=torch.long)  # [rows, widest table so far]
+        self.row_of: dict[int, int] = {}  # seq_id -> its row, for the last step's sequences
+        self.free_rows: list[int] = []
+        self.lengths: list[int] = []  # per row: its table's length (entries past it are 0)
+        self.last_blocks: list[int] = []  # per row: its table's last block (-1: none)
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, int, ScoredPositions]:
+        """The step's inputs, how many of its logit rows sample, and the prompt positions
+        it scores (see ``scored_positions``)."""
+        seqs, num_new = batch.seqs, batch.num_new_tokens
+        num_decodes = batch.num_decodes
+        starts = [seq.num_computed_tokens for seq in seqs]
+        input_ids = [seq.token_ids[-1] for seq in seqs[:num_decodes]]
+        sample_rows = list(range(num_decodes))
+        end = num_decodes
+        for seq, start, count in zip(seqs[num_decodes:], starts[num_decodes:],
+                                     num_new[num_decodes:]):
+            input_ids += seq.token_ids[start:start + count]
+            end += count
+            if start + count == seq.num_tokens:
+                sample_rows.append(end - 1)
+        num_new_t, starts_t = torch.tensor(num_new), torch.tensor(starts)
+        cu_seqlens_q = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        torch.cumsum(num_new_t, 0, out=cu_seqlens_q[1:])
+        rows, block_tables = self.block_tables(seqs, num_decodes)
+        if len(seqs) == num_decodes:
+            positions, token_rows = starts_t, rows
+        else:
+            offsets = torch.repeat_interleave(cu_seqlens_q[:-1] - starts_t, num_new_t)
+            positions = torch.arange(end) - offsets
+            token_rows = torch.repeat_interleave(rows, num_new_t)
+        metadata = AttentionMetadata(
+            slot_mapping=self._to_device(self.slot_mapping(token_rows, positions)),
+            block_tables=self._to_device(block_tables),
+            context_lens=self._to_device(starts_t + num_new_t),
+            cu_seqlens_q=self._to_device(cu_seqlens_q),
+            num_decodes=num_decodes, max_query_len=max(num_new))
+        if self.cascade and num_decodes:
+            metadata.cascade = cascade_layout(batch, self.block_size, self.device)
+        scored = scored_positions(batch)
+        chunk_starts = cu_seqlens_q.tolist() if scored else []
+        prompt_rows = [chunk_starts[i] - starts[i] + position
+                       for i, first, last in scored for position in range(first, last)]
+        copies = long_tensor([list(c) for c in zip(*batch.copies)], self.device).view(2, -1)
+        return (StepInputs(long_tensor(input_ids, self.device), self._to_device(positions),
+                           metadata, long_tensor(sample_rows + prompt_rows, self.device),
+                           copies),
+                len(sample_rows), scored)
+
+    def block_tables(self, seqs: list[Sequence], num_decodes: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bring the rows up to date with ``seqs``' block tables (the first ``num_decodes``
+        of them decodes); return each sequence's row and their tables, padded with 0 to
+        the longest."""
+        self._release_rows_of_others(seqs)
+        updates: Updates = ([], [], [])
+        row_of, lengths, last_blocks = self.row_of, self.lengths, self.last_blocks
+        rows = []
+        for seq in seqs[:num_decodes]:
+            table, row = seq.block_table, row_of.get(seq.seq_id)
+            if row is None or len(table) != lengths[row] or table[-1] != last_blocks[row]:
+                row = self._write_row(seq, row, False, updates)
+            rows.append(row)
+        rows += [self._write_row(seq, row_of.get(seq.seq_id), True, updates)
+                 for seq in seqs[num_decodes:]]
+        self._apply(updates)
+        rows_t = torch.tensor(rows)
+        return rows_t, self.tables[rows_t, :max(map(lengths.__getitem__, rows))]
+
+    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The pool slot of each position of the sequence in row ``token_rows``."""
+        blocks = self.tables[token_rows, positions // self.block_size]
+        return blocks * self.block_size + positions % self.block_size
+
+    def _release_rows_of_others(self, seqs: list[Sequence]) -> None:
+        """Free the rows of the sequences not in this step (finished, preempted or left
+        out): a sequence that comes back gets a row written whole."""
+        gone = self.row_of.keys() - {seq.seq_id for seq in seqs}
+        for seq_id in gone:
+            self.free_rows.append(self.row_of.pop(seq_id))
+
+    def _take_row(self) -> int:
+        if not self.free_rows:
+            num_rows = self.tables.shape[0]
+            grown = max(2 * num_rows, 8)
+            self.tables = torch.cat([self.tables, torch.zeros(
+                grown - num_rows, self.tables.shape[1], dtype=torch.long)])
+            self.free_rows = list(range(grown - 1, num_rows - 1, -1))
+            self.lengths += [0] * (grown - num_rows)
+            self.last_blocks += [-1] * (grown - num_rows)
+        return self.free_rows.pop()
+
+    def _write_row(self, seq: Sequence, row: int | None, whole: bool, updates: Updates) -> int:
+        """Queue the writes that bring ``seq``'s row (a new one for None) up to date with
+        its block table: all of it when ``whole`` or new, else from its old last entry
+        on; zeros over the rest of the row's old table. Returns the row."""
+        table = seq.block_table
+        if row is None:
+            row = self.row_of[seq.seq_id] = self._take_row()
+            whole = True
+        old_length = self.lengths[row]
+        first = 0 if whole else max(min(len(table), old_length) - 1, 0)
+        rows, columns, values = updates
+        columns += range(first, max(len(table), old_length))
+        values += table[first:]
+        values += [0] * (old_length - len(table))
+        rows += [row] * (len(columns) - len(rows))
+        self.lengths[row] = len(table)
+        self.last_blocks[row] = table[-1] if table else -1
+        return row
+
+    def _apply(self, updates: Updates) -> None:
+        """Write the queued entries in one indexed write (widening the rows if needed)."""
+        rows, columns, values = updates
+        if not rows:
+            return
+        width = max(columns) + 1
+        if width > self.tables.shape[1]:
+            self.tables = torch.cat([self.tables, torch.zeros(
+                self.tables.shape[0], width - self.tables.shape[1], dtype=torch.long)], dim=1)
+        self.tables[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(values)
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
+
+def scored_positions(batch: ScheduledBatch) -> ScoredPositions:
+    """``(batch row, start, end)`` of the prompt positions each chunk scores that were not
+    scored before (a recompute after preemption scores none; a decode never scores)."""
+    scored = []
+    for i in range(batch.num_decodes, len(batch.seqs)):
+        seq = batch.seqs[i]
+        if not seq.needs_prompt_logprobs:
+            continue
+        start = max(seq.num_computed_tokens, len(seq.prompt_logprobs))
+        end = min(seq.num_computed_tokens + batch.num_new_tokens[i], seq.num_prompt_tokens - 1)
+        if start < end:
+            scored.append((i, start, end))
+    return scored
