@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from gpu_check_common import (
     save_random_model,
     sync,
 )
+from serve_client import free_port, serve_level, wait_healthy
 
 from tandem.rollout import SamplingParams
 from tandem.rollout.structured_outputs import StructuredOutputsParams
@@ -106,13 +106,6 @@ def check_grpo(rec: Recorder, folder: Path, work: Path) -> None:
 # ---------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    """A port free on 127.0.0.1 right now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def served_workload(smoke: bool, vocab_size: int) -> tuple[list[list[int]], int]:
     """Distinct random prompts (564 tokens; 32 on CPU) and the tokens each generates."""
     generator = torch.Generator().manual_seed(7)
@@ -173,72 +166,6 @@ async def serve_levels(rec: Recorder, url: str, server: subprocess.Popen,
                 rows.append(await serve_level(session, prompts[:count], max_tokens,
                                               concurrency, stream))
         return rows
-
-
-async def wait_healthy(session, server: subprocess.Popen, wait: float = 240.0) -> None:
-    import aiohttp
-
-    deadline = time.monotonic() + wait
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            async with session.get("/health") as response:
-                if response.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.5)
-    raise RuntimeError(f"the server did not come up (exit code {server.poll()})")
-
-
-async def serve_level(session, prompts: list[list[int]], max_tokens: int, concurrency: int,
-                      stream: bool) -> dict:
-    """``prompts`` sent by ``concurrency`` closed-loop clients: output tok/s and TTFT."""
-    queue = list(enumerate(prompts))
-    first_token: list[float] = []
-    tokens = 0
-
-    async def client() -> None:
-        nonlocal tokens
-        while queue:
-            _, prompt = queue.pop()
-            body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                    "temperature": 1.0, "stream": stream}
-            if stream:
-                body["stream_options"] = {"include_usage": True}
-            tokens += await send(session, body, first_token)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    seconds = time.perf_counter() - start
-    first_token.sort()
-    return dict(concurrency=concurrency, stream=stream, requests=len(prompts),
-                tok_s=round(tokens / seconds, 1),
-                ttft_p50=round(first_token[len(first_token) // 2], 3) if first_token else None,
-                ttft_p99=round(first_token[int(0.99 * (len(first_token) - 1))], 3)
-                if first_token else None)
-
-
-async def send(session, body: dict, first_token: list[float]) -> int:
-    """One completion request; its completion tokens (the usage's). A streamed one appends
-    its time to first token."""
-    start = time.perf_counter()
-    async with session.post("/v1/completions", json=body) as response:
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:300]}")
-        if not body["stream"]:
-            return (await response.json())["usage"]["completion_tokens"]
-        usage = 0
-        async for line in response.content:
-            text = line.decode().strip()
-            if not text.startswith("data:") or text == "data: [DONE]":
-                continue
-            chunk = json.loads(text[5:])
-            if chunk.get("choices") and start is not None:
-                first_token.append(time.perf_counter() - start)
-                start = None
-            if chunk.get("usage"):
-                usage = chunk["usage"]["completion_tokens"]
-        return usage
 
 
 # ---------------------------------------------------------------- structured outputs
