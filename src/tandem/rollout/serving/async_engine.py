@@ -83,6 +83,7 @@ class AsyncLLMEngine:
         self._tracked: dict[str, TrackedRequest] = {}
         self._request_ids = itertools.count()
         self._frozen = False  # /pause?mode=keep: requests stay, steps stop
+        self._snapshotted: dict[str, int] = {}  # output tokens last streamed, per request
         self._loop_task: asyncio.Task | None = None
         self._has_work = asyncio.Event()
         self._idle = asyncio.Event()
@@ -293,26 +294,43 @@ class AsyncLLMEngine:
             self._idle.set()
 
     async def _run(self) -> None:
+        step: asyncio.Future | None = None
         while True:
-            await self._has_work.wait()
-            watched = [(r, t.num_output_tokens, t.stream) for r, t in self._tracked.items()]
+            if step is None:
+                await self._has_work.wait()
+                step = self._start_step()
             try:
-                report = await self.call(self._step, watched)
+                report = await step
             except Exception as exc:  # a failed step fails its requests, not the server
                 self._fail_all(exc)
+                step = None
                 continue
+            # The next step runs on the engine thread while this one's outputs go out: the
+            # engine never waits for the event loop's dispatch.
+            step = self._start_step() if self._work_after(report) else None
             self._dispatch(report)
 
-    def _step(self, watched: list[tuple[str, int, bool]]) -> _StepReport:
+    def _start_step(self) -> asyncio.Future:
+        watched = [(request_id, t.stream) for request_id, t in self._tracked.items()]
+        return asyncio.ensure_future(self.call(self._step, watched))
+
+    def _work_after(self, report: _StepReport) -> bool:
+        finished = {output.request_id for output in report.finished}
+        return not self._frozen and any(r not in finished for r in self._tracked)
+
+    def _step(self, watched: list[tuple[str, bool]]) -> _StepReport:
         started = time.monotonic()
         report = _StepReport(started, self.engine.step(), self._waiting_request_ids())
-        for request_id, seen, stream in watched:
+        snapshotted, self._snapshotted = self._snapshotted, {}  # the engine thread's own
+        for request_id, stream in watched:
             num_output_tokens = self.engine.num_output_tokens(request_id)
             if num_output_tokens is None:
                 continue
             report.num_output_tokens[request_id] = num_output_tokens
-            if stream and num_output_tokens > seen:
+            self._snapshotted[request_id] = snapshotted.get(request_id, 0)
+            if stream and num_output_tokens > self._snapshotted[request_id]:
                 report.snapshots[request_id] = self.engine.request_output(request_id)
+                self._snapshotted[request_id] = num_output_tokens
         return report
 
     def _dispatch(self, report: _StepReport) -> None:
