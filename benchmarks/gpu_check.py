@@ -80,7 +80,6 @@ from gpu_check_kernels import (  # noqa: E402
     check_kernels,
     check_long_attention,
     check_resources,
-    copy_bandwidth,
 )
 from gpu_check_rl import check_grpo, check_ipc, check_server, check_structured  # noqa: E402
 
@@ -118,8 +117,7 @@ def check_qwen3_8b(rec: Recorder, work: Path) -> None:
     collect()
     folder = save_random_model(TOY_8B if rec.smoke else QWEN3_8B, work / "qwen3-8b-random",
                                torch.float32 if rec.smoke else torch.bfloat16, rec.device)
-    copy = copy_bandwidth(rec.device, (1 << 20) if rec.smoke else (2 << 30))
-    check_nano_bench(rec, folder, copy, section="qwen3_8b", comparator=False)
+    check_nano_bench(rec, folder, section="qwen3_8b", comparator=False)
 
 
 # ---------------------------------------------------------------- table and main
@@ -162,26 +160,15 @@ def run_section(rec: Recorder, name: str, needs_seconds: float, call: Callable[[
 def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, Callable]]:
     """Name -> (seconds it needs, call), in order of importance."""
     shape = TOY if rec.smoke else QWEN3_06B
-    copy = {}
-
-    def bandwidth() -> None:
-        copy["bytes_per_s"] = check_bandwidth(rec, shape)
-
-    def nano_bench() -> None:
-        if "bytes_per_s" not in copy:
-            copy["bytes_per_s"] = copy_bandwidth(rec.device, (1 << 20) if rec.smoke
-                                                 else (2 << 30))
-        check_nano_bench(rec, folder, copy["bytes_per_s"])
-
     return {"kernels": (20, lambda: check_kernels(rec, shape)),
             "tokens": (40, lambda: check_tokens(rec, folder)),
             "memory": (25, lambda: check_memory(rec, folder)),
             "lifecycle": (8, lambda: check_lifecycle(rec, folder)),
             "updates": (30, lambda: check_updates(rec, folder, work)),
             "ipc": (20, lambda: check_ipc(rec, folder)),
-            "bandwidth": (8, bandwidth),
+            "bandwidth": (8, lambda: check_bandwidth(rec, shape)),
             "decode": (30, lambda: check_decode(rec, folder)),
-            "nano_bench": (45, nano_bench),
+            "nano_bench": (45, lambda: check_nano_bench(rec, folder)),
             "server": (40, lambda: check_server(rec, folder, work)),
             "grpo": (40, lambda: check_grpo(rec, folder, work)),
             "structured": (15, lambda: check_structured(rec, work)),

@@ -161,6 +161,11 @@ def save_random_model(shape: dict, folder: Path, dtype: torch.dtype, device: tor
     return folder
 
 
+def vocab_size(folder: Path) -> int:
+    """The vocabulary size in a saved model's config."""
+    return json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
 def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The saved model through transformers, in ``dtype`` on ``device``."""
     return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()

@@ -9,7 +9,6 @@ is still held between sections)."""
 from __future__ import annotations
 
 import functools
-import json
 import shutil
 import time
 from pathlib import Path
@@ -26,7 +25,9 @@ from gpu_check_common import (
     make_llm,
     sync,
     timed,
+    vocab_size,
 )
+from gpu_check_kernels import copy_bandwidth
 from safetensors.torch import save_file
 
 from tandem.kernels.testing import TOLERANCE, relative_error
@@ -205,15 +206,14 @@ def nano_bench_tandem(rec: Recorder, section: str, folder: Path, workload: tuple
                of_bound=round(bound / seconds, 3), preemptions=llm.stats()["preemptions"])
 
 
-def check_nano_bench(rec: Recorder, folder: Path, copy_bytes_per_s: float,
-                     section: str = "nano_bench", comparator: bool = True) -> None:
+def check_nano_bench(rec: Recorder, folder: Path, section: str = "nano_bench",
+                     comparator: bool = True) -> None:
     """DESIGN.md's nano-bench (256 sequences, lengths uniform in [100, 1024], EOS ignored):
     Tandem's output tok/s against the bandwidth bound, then transformers' ``generate`` on the
     same prompts once the engine has gone."""
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
     workload = nano_bench_workload(*((4, 10, 30) if rec.smoke else (256, 100, 1024)),
-                                   vocab_size)
-    nano_bench_tandem(rec, section, folder, workload, copy_bytes_per_s)
+                                   vocab_size(folder))
+    nano_bench_tandem(rec, section, folder, workload, copy_bandwidth(rec))
     collect()
     rec.record(section, "held after the engine", device_gib=round(device_used_bytes() / 2**30, 2))
     if comparator:

@@ -23,7 +23,9 @@ from gpu_check_common import (
     save_byte_tokenizer,
     save_random_model,
     sync,
+    vocab_size,
 )
+from safetensors.torch import load_file
 from serve_client import free_port, serve_level, wait_healthy
 
 from tandem.rollout import SamplingParams
@@ -38,10 +40,7 @@ def check_ipc(rec: Recorder, folder: Path) -> None:
     packed NCCL sync of Qwen3-0.6B)."""
     import sync as sync_benchmark  # benchmarks/sync.py
 
-    llm = make_llm(rec, folder, max_num_seqs=16)
-    state = {n: p.detach().clone() for n, p in llm.engine.weight_parameters().items()}
-    del llm
-    collect()
+    state = load_file(folder / "model.safetensors", device=str(rec.device))
     path, gigabytes, seconds = sync_benchmark.two_process_row(folder, state, 3,
                                                               str(rec.device.type))
     rec.record("ipc", path, gb=round(gigabytes, 3), seconds=round(seconds, 4),
@@ -118,8 +117,7 @@ def check_server(rec: Recorder, folder: Path, work: Path) -> None:
     """``tandem serve`` at concurrency 1, 8, 32 and 128, streamed and not (aiohttp client,
     distinct prompts, EOS ignored), against the largest level's requests offline in one
     ``generate`` call: output tok/s and their ratio, and time to first token."""
-    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts, max_tokens = served_workload(rec.smoke, vocab_size)
+    prompts, max_tokens = served_workload(rec.smoke, vocab_size(folder))
     port = free_port()
     options = (["--num-kv-blocks", "512", "--max-model-len", "512"] if rec.smoke else
                ["--gpu-memory-utilization", "0.5", "--max-model-len", "2048"])
