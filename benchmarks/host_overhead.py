@@ -16,9 +16,10 @@ engine's own functions: schedule (``Scheduler.schedule``), block tables (the bat
 tables and slot mapping, ``InputBatch.block_tables`` and ``slot_mapping``; in a version
 before ``InputBatch``, the padded block-table tensor only), input tensors (the rest of
 ``ModelRunner._prepare``), forward
-(the forward pass and LM head: nothing with the null model), sampler (``Sampler.__call__``:
-the sampling maths and its per-sequence bookkeeping), outputs
-(``Scheduler.update_from_output``), and the rest of ``LLMEngine.step``.
+(the forward pass and LM head: nothing with the null model), sampler (``Sampler.sample``:
+the sampling maths and its per-sequence bookkeeping), outputs (``Scheduler.advance`` and
+``Scheduler.append_sampled``; before overlapped steps ``update_from_output``), and the rest
+of ``LLMEngine.step`` (the samples' copy to lists among it).
 
 Target (issue 46): at most 1.5 ms a step at batch 256 and 100-token contexts on a 2-core
 CPU, and no more than 1.5x that at 1k-token contexts.
@@ -105,7 +106,7 @@ def timed_phases(llm: LLM, seconds: dict[str, float]) -> Iterator[None]:
     wrapped = [(engine.scheduler, "schedule", "schedule"),
                (runner, "_prepare", "input tensors"), (runner, "_forward", "forward"),
                (runner.model, "compute_logits", "forward"),
-               (engine.scheduler, "update_from_output", "outputs")]
+               *((engine.scheduler, name, "outputs") for name in output_functions(engine))]
     wrapped += [(owner, name, "block tables") for owner, name in block_table_functions(runner)]
     saved = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in wrapped]
     for owner, name, phase in wrapped:
@@ -121,6 +122,13 @@ def timed_phases(llm: LLM, seconds: dict[str, float]) -> Iterator[None]:
                 delattr(owner, name)
             else:
                 setattr(owner, name, original)
+
+
+def output_functions(engine: object) -> list[str]:
+    """The scheduler's functions that take a step's samples, in the version at hand."""
+    if hasattr(engine.scheduler, "append_sampled"):
+        return ["advance", "append_sampled"]
+    return ["update_from_output"]
 
 
 def block_table_functions(runner: object) -> list[tuple[object, str]]:
@@ -152,6 +160,8 @@ class TimedSampler:
     def __init__(self, sampler: object, seconds: dict[str, float]) -> None:
         self.sampler = sampler
         self.call = timed_function(sampler.__call__, "sampler", seconds)
+        if hasattr(sampler, "sample"):
+            self.sample = timed_function(sampler.sample, "sampler", seconds)
 
     def __call__(self, *args, **kwargs):
         return self.call(*args, **kwargs)

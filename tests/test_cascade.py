@@ -12,7 +12,7 @@ from tandem.kernels import TORCH_OPS, AttentionMetadata, pool_layout
 from tandem.rollout import SamplingParams
 from tandem.rollout.attention_layout import cascade_layout
 from tandem.rollout.block_manager import BlockManager, num_blocks_for
-from tandem.rollout.scheduler import DecodeGroup, ScheduledBatch
+from tandem.rollout.scheduled_batch import DecodeGroup, ScheduledBatch
 from tandem.rollout.sequence import Sequence
 
 BLOCK_SIZE = 16

@@ -107,7 +107,7 @@ def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeyp
     share (the fork's full blocks, the same physical blocks), and generation is the same
     as each request alone. The torch backend's cascade is what asks for the groups."""
     engine = LLMEngine(EngineConfig(model=str(llama_dir), attention_backend="torch"))
-    execute = engine.runner.execute
+    launch = engine.runner.launch
     seen = []
 
     def spy(batch):
@@ -115,9 +115,9 @@ def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeyp
         seen.append([([decodes[r].request_id for r in g.members], g.num_shared_blocks,
                       [decodes[r].block_table[:g.num_shared_blocks] for r in g.members])
                      for g in batch.decode_groups])
-        return execute(batch)
+        return launch(batch)
 
-    monkeypatch.setattr(engine.runner, "execute", spy)
+    monkeypatch.setattr(engine.runner, "launch", spy)
     group, alone = SamplingParams(n=4, max_tokens=30, seed=1), SamplingParams(max_tokens=30,
                                                                                 seed=1)
     engine.add_request("group", prompt_of(40), group)

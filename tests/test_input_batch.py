@@ -14,7 +14,8 @@ from tandem.rollout.held import HeldSequences
 from tandem.rollout.input_batch import InputBatch
 from tandem.rollout.outputs import SamplerOutput
 from tandem.rollout.sampling_params import SamplingParams
-from tandem.rollout.scheduler import ScheduledBatch, Scheduler
+from tandem.rollout.scheduled_batch import ScheduledBatch
+from tandem.rollout.scheduler import Scheduler
 from tandem.rollout.sequence import Request
 
 BLOCK_SIZE = 4

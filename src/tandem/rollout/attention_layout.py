@@ -11,12 +11,22 @@ import torch
 
 from tandem.kernels import CascadeLayout, block_runs
 
-from .scheduler import ScheduledBatch
+from .scheduled_batch import ScheduledBatch
 
 
 def long_tensor(values: list, device: torch.device) -> torch.Tensor:
-    """``values`` (nested lists of ints) as an int64 tensor on ``device``."""
-    return torch.tensor(values, dtype=torch.long, device=device)
+    """``values`` (nested lists of ints) as an int64 tensor on ``device`` (see
+    ``to_device``)."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, without waiting for the device: to CUDA through pinned
+    memory and a non-blocking copy (a plain ``.to`` waits for every kernel queued before
+    it, which would end the overlap of host and device work; see ``engine.py``)."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def padded_tensor(rows: list[list[int]], device: torch.device) -> torch.Tensor:

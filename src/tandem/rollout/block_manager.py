@@ -165,7 +165,8 @@ class BlockManager:
         copy = self._copy_on_write(seq, num_computed) if needs_copy else None
         self._grow(seq, seq.num_tokens)
         num_new_tokens = min(seq.num_tokens - num_computed, token_budget)
-        self._register_full_blocks(seq, num_computed + num_new_tokens)
+        # A pending token (overlapped steps) is not known yet: its block waits to be hashed.
+        self._register_full_blocks(seq, min(num_computed + num_new_tokens, len(seq.token_ids)))
         if admitting:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += len(hits) * self.block_size
@@ -176,12 +177,17 @@ class BlockManager:
         alone and fills no block the prefix cache would register: ``allocate_slots(seq, 1)``
         would then change nothing and copy nothing, so it need not be called (15 decodes in
         16, asked once per sequence per step)."""
-        num_tokens, table, size = len(seq.token_ids), seq.block_table, self.block_size
+        num_tokens, table, size = seq.num_tokens, seq.block_table, self.block_size
         if num_tokens > len(table) * size:
             return False  # a new block is due
         if self.blocks[table[(num_tokens - 1) // size]].ref_count != 1:
             return False  # shared: a copy-on-write is due
         return not self.enable_prefix_caching or num_tokens // size <= len(seq.block_hashes)
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Hash and cache the full blocks of ``seq``'s computed, known tokens that are not
+        yet (``allocate_slots`` defers a block whose last token is pending)."""
+        self._register_full_blocks(seq, min(seq.num_computed_tokens, len(seq.token_ids)))
 
     def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
         """The tokens ``seq`` still has to compute: its uncomputed ones, less the cached

@@ -58,6 +58,12 @@ class EngineConfig:
     enforce_eager: bool = field(default=False, metadata={"help": (
         "never capture CUDA graphs (they are captured on CUDA with the Triton kernels "
         "otherwise).")})
+    async_scheduling: bool | None = field(default=None, metadata={"help": (
+        "overlap the host and the device (vLLM's --async-scheduling): the host schedules "
+        "and prepares the next step while the device runs this one, and learns the sampled "
+        "tokens a step late (see ``step_overlap.py``). Default (None): on for CUDA, off on "
+        "CPU, whose steps do not run apart from the host. Seeded sampling gives the same "
+        "tokens either way.")})
     tensor_parallel_size: int = field(default=1, metadata={"help": (
         "ranks one model is split over (vLLM's --tensor-parallel-size): each holds its share "
         "of the heads, the MLP, the vocabulary and the KV pool (a KV budget is per rank). "
@@ -97,6 +103,13 @@ class EngineConfig:
         if self.device is None:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether steps overlap (``async_scheduling``, by default on CUDA)."""
+        if self.async_scheduling is None:
+            return self.torch_device.type == "cuda"
+        return self.async_scheduling
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""

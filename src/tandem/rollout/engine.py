@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from tandem.sync import WeightUpdate
 
+from . import sleep_mode
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .cpu_allocator import keep_freed_memory
@@ -22,7 +23,7 @@ from .default_model import resolve_model
 from .engine_stats import SleepWakeSeconds, engine_stats
 from .errors import EngineAsleepError
 from .held import Continuation, HeldSequences
-from .input_processor import InputProcessor, ProcessedPrompt, Prompt
+from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
 from .memory import size_kv_cache
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .models import architecture_of
@@ -31,9 +32,9 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Request, Sequence
+from .step_overlap import StepOverlap
 from .tp_executor import make_runner
 
-WAKE_TAGS = ("weights", "kv_cache")
 EnginePrompt = Prompt | ProcessedPrompt | Continuation
 
 
@@ -66,6 +67,7 @@ class LLMEngine:
         self.memory_plan = kv_size.plan
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.runner.capture_graphs()
+        self.steps = StepOverlap(self.runner, config.overlaps_steps)
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size,
                                               self.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -78,10 +80,11 @@ class LLMEngine:
         self.lock = threading.RLock()
         self._seq_ids = itertools.count()
         self.held = HeldSequences()  # outlives each pool: its blocks go, its tokens stay
-        self._new_pool()
+        self.new_pool()
 
-    def _new_pool(self) -> None:
-        """A fresh block manager and scheduler; sequences a sleep preempted wait in it."""
+    def new_pool(self) -> None:
+        """A fresh block manager and scheduler (at start and on waking); sequences a sleep
+        preempted wait in it."""
         waiting = self.scheduler.waiting if hasattr(self, "scheduler") else ()
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
@@ -160,21 +163,13 @@ class LLMEngine:
 
     def _check_new_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
                             params: Seq[SamplingParams], hold_kv: bool) -> None:
-        if not len(request_ids) == len(prompts) == len(params):
-            raise ValueError(f"{len(request_ids)} request ids, {len(prompts)} prompts and "
-                             f"{len(params)} sampling params: give one of each per request.")
-        for p in params:
-            if p.n > self.config.max_num_seqs:
-                raise ValueError(f"n={p.n} exceeds max_num_seqs={self.config.max_num_seqs} (a "
-                                 "group runs in one batch): lower n or raise max_num_seqs.")
+        check_request_lists(request_ids, prompts, params, self.config.max_num_seqs)
         for request_id in request_ids:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use.")
             if hold_kv and self.held.holds_request(request_id):
                 raise ValueError(f"request id {request_id!r} still holds completions: "
                                  "continue or release them first, or use a new id.")
-        if len(set(request_ids)) != len(request_ids):
-            raise ValueError("request ids repeat within one call: give each its own id.")
 
     def _queue(self, request: Request, hold_kv: bool, held: Sequence | None) -> None:
         first = request.make_sequences(self._seq_ids, hold_kv)
@@ -187,7 +182,8 @@ class LLMEngine:
         self.scheduler.add(first)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests it finished.
+        """Run one scheduled step; return the outputs of the requests it finished. With
+        overlapped steps (``step_overlap.py``) a step's outputs come from the next call.
 
         Raises:
             EngineAsleepError: while the engine sleeps with requests it kept.
@@ -199,17 +195,16 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
         self.kv_blocks_used_peak = max(self.kv_blocks_used_peak,
                                        self.block_manager.num_used_blocks)
-        sampler_output = self.runner.execute(batch)
-        finished = self.scheduler.update_from_output(batch, sampler_output, self.weight_version)
+        finished = self.steps.run(batch, self.scheduler, self.weight_version)
         request_ids = dict.fromkeys(seq.request_id for seq in finished)
-        return [self._pop(r) for r in request_ids if self.requests[r].is_finished]
+        return [self._pop(r) for r in request_ids
+                if r in self.requests and self.requests[r].is_finished]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks.
+        """Stop a request now and free its blocks (a token of it still on the device, with
+        overlapped steps, is dropped).
 
         Returns its output so far (unfinished completions with finish_reason "abort"), or
         None for an unknown or finished id.
@@ -220,6 +215,8 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+            elif seq.hold_kv and self.steps.unreported(seq):  # held unseen: none would release
+                self.scheduler.release_held(seq)
         return self.output_processor.make_output(request, self.weight_version)
 
     def request_output(self, request_id: str) -> RequestOutput:
@@ -296,6 +293,7 @@ class LLMEngine:
                 applies the update).
         """
         with self.lock:
+            self.steps.drain(self.scheduler)  # sampled under the old weights
             moved = self.runner.commit_weights(staged, alias)
             self._serve_version(version, None)
             if moved:
@@ -317,6 +315,7 @@ class LLMEngine:
             raise ValueError(f"no run-time LoRA layer for {unknown[:3]}; adapters apply to the "
                              "q/k/v/o and gate/up/down projections.")
         with self.lock:
+            self.steps.drain(self.scheduler)
             self.runner.set_lora(factors)
             self._serve_version(version, lora_id)
             self._recapture_graphs()  # the graphs were captured with or without adapters
@@ -325,11 +324,14 @@ class LLMEngine:
         """Free the KV of every unfinished sequence; each recomputes its tokens when next
         scheduled (under the weights served then: the prefix cache keys on the version)."""
         with self.lock:
+            self.steps.drain(self.scheduler)
             self.scheduler.preempt_all()
 
     def _serve_version(self, version: int, lora_id: int | None) -> None:
         """Serve new weights from the next step: held KV of the old ones is released (a
-        continuation recomputes), and the prefix cache keys on the new version."""
+        continuation recomputes), and the prefix cache keys on the new version (blocks
+        computed under the old weights are hashed under the old key first)."""
+        self.scheduler.register_computed_blocks()
         self.weight_version = version
         self.block_manager.extra_key = (version, lora_id)
         self.scheduler.release_held_kv()
@@ -342,22 +344,7 @@ class LLMEngine:
         Raises:
             ValueError: for a level but 1 or 2, or with requests unfinished (no ``preempt``).
         """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level {level} is invalid: use 1 (free the KV pool) or 2 "
-                             "(also move the weights to CPU).")
-        if self.has_unfinished_requests() and not preempt:
-            raise ValueError("cannot sleep with unfinished requests: let them finish, abort "
-                             "them, or sleep(preempt=True) to recompute them after wake_up.")
-        with self.lock, self.sleep_wake_seconds.timing("sleep"):  # stats() sleep_*_seconds
-            with self.sleep_wake_seconds.timing("sleep_kv_cache"):
-                self.scheduler.preempt_all()
-                self.scheduler.release_held_kv()
-                self.runner.free_kv_cache()
-            with self.sleep_wake_seconds.timing("sleep_weights"):
-                if level == 2 and not self.weights_offloaded:
-                    self.runner.offload_weights()
-                    self.weights_offloaded = True
-            self.sleep_level = level
+        sleep_mode.sleep(self, level, preempt)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore what ``sleep`` released at the same addresses (the decode graphs stay
@@ -367,24 +354,7 @@ class LLMEngine:
         Raises:
             ValueError: for an unknown tag.
         """
-        tags = set(WAKE_TAGS if tags is None else tags)
-        if not tags <= set(WAKE_TAGS):
-            raise ValueError(f"unknown wake_up tags {sorted(tags - set(WAKE_TAGS))}: use "
-                             f"{', '.join(WAKE_TAGS)}.")
-        with self.lock, self.sleep_wake_seconds.timing("wake"):  # stats() wake_*_seconds
-            with self.sleep_wake_seconds.timing("wake_weights"):
-                if "weights" in tags and self.weights_offloaded:
-                    self.runner.reload_weights()
-                    self.weights_offloaded = False
-            with self.sleep_wake_seconds.timing("wake_kv_cache"):
-                if "kv_cache" in tags and self.runner.kv_cache_bytes() == 0:
-                    self.runner.allocate_kv_cache(self.num_kv_blocks)
-                    self._new_pool()
-            with self.sleep_wake_seconds.timing("wake_capture"):
-                if self.sleep_level and not self.weights_offloaded and self.runner.kv_cache_bytes():
-                    self.sleep_level = 0
-                    if not self.runner.graphs_current():
-                        self.runner.capture_graphs()
+        sleep_mode.wake_up(self, tags)
 
     def _recapture_graphs(self) -> None:
         self.runner.drop_graphs()  # asleep, wake_up captures them once the pool is back

@@ -18,8 +18,8 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 
-from .attention_layout import cascade_layout, long_tensor
-from .scheduler import ScheduledBatch
+from .attention_layout import cascade_layout, long_tensor, to_device
+from .scheduled_batch import ScheduledBatch
 from .sequence import Sequence
 
 ScoredPositions = list[tuple[int, int, int]]  # (batch row, first, end) prompt positions
@@ -176,7 +176,7 @@ class InputBatch:
         self.tables[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(values)
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device)
+        return to_device(tensor, self.device)
 
 
 def scored_positions(batch: ScheduledBatch) -> ScoredPositions:

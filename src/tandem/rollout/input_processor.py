@@ -8,6 +8,7 @@ is what ``LLMEngine.add_request`` queues without looking at it again.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,3 +133,22 @@ class InputProcessor:
                              "no room for a new token: shorten the prompt, or raise "
                              "max_model_len and the KV budget (num_kv_blocks or "
                              "kv_cache_memory_bytes).")
+
+
+def check_request_lists(request_ids: Sequence[str], prompts: Sequence[Any],
+                        params: Sequence[SamplingParams], max_num_seqs: int) -> None:
+    """Check one call's requests among themselves: one id, prompt and ``SamplingParams``
+    each, distinct ids, and each group (``n``) within ``max_num_seqs``.
+
+    Raises:
+        ValueError: naming what to change.
+    """
+    if not len(request_ids) == len(prompts) == len(params):
+        raise ValueError(f"{len(request_ids)} request ids, {len(prompts)} prompts and "
+                         f"{len(params)} sampling params: give one of each per request.")
+    for p in params:
+        if p.n > max_num_seqs:
+            raise ValueError(f"n={p.n} exceeds max_num_seqs={max_num_seqs} (a group runs in "
+                             "one batch): lower n or raise max_num_seqs.")
+    if len(set(request_ids)) != len(request_ids):
+        raise ValueError("request ids repeat within one call: give each its own id.")

@@ -24,6 +24,7 @@ from tandem.sync.protocol import WeightUpdateError, check_all_finite
 from .attention_layout import long_tensor
 from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
+from .device_sample import HostCopy
 from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
 from .models import build_model
@@ -31,7 +32,7 @@ from .models.llama import LoraLinear, head_dim_of
 from .outputs import SamplerOutput
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
-from .scheduler import ScheduledBatch
+from .scheduled_batch import ScheduledBatch
 from .tensor_parallel import (
     TensorParallel,
     full_from_slices,
@@ -83,6 +84,8 @@ class ModelRunner:
         self.graph_captures = 0
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
+        # The last launch's sampling rows by sequence, and its sampled tokens (on the device).
+        self._last_sampled: tuple[dict[int, int], torch.Tensor] = ({}, torch.empty(0))
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by Hugging Face name (a tied one under its first name)."""
@@ -281,26 +284,44 @@ class ModelRunner:
         rotary = self.model.model.rotary_emb
         rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run ``batch``'s forward pass and sample for the sequences that finish their chunk.
+        """Run ``batch``'s step and wait for its samples (``launch``, then its result)."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> HostCopy:
+        """Queue ``batch``'s forward pass and sampling on the device; the samples come back
+        through the returned copy, whose ``result`` waits for them.
 
         Finished sequences' generators are dropped and copy-on-write block copies run first.
-        A row whose group forks in this step is sampled once per group member, each with its
-        own parameters and generator. Chunks that score prompt log-probs get them too.
+        A decode whose newest token is pending (sampled by the last launch, unknown to the
+        host) reads it from that launch's samples on the device. A row whose group forks in
+        this step is sampled once per group member, each with its own parameters and
+        generator. Chunks that score prompt log-probs get them too (waiting for them).
         """
         self.sampler.release(batch.finished_seq_ids)
         step, num_sampling, scored = self._prepare(batch)
+        self._read_pending_tokens(batch, step.input_ids)
         logits = self.run_step(step).float()
         sampling, prompt = logits[:num_sampling], logits[num_sampling:]
         groups = batch.sampling_groups()
         seqs = [seq for group in groups for seq in group]
         if len(seqs) > len(groups):
-            sizes = torch.tensor([len(group) for group in groups], device=logits.device)
-            sampling = sampling.repeat_interleave(sizes, dim=0)
-        output = self.sampler(sampling, seqs)
-        output.prompt_logprobs = self._prompt_logprobs(batch, prompt, scored)
-        return output
+            sizes = self._long([len(group) for group in groups])
+            sampling = sampling.repeat_interleave(sizes, dim=0, output_size=len(seqs))
+        sample = self.sampler.sample(sampling, seqs)
+        self._last_sampled = {seq.seq_id: row for row, seq in enumerate(seqs)}, sample.token_ids
+        return sample.to_host(self._prompt_logprobs(batch, prompt, scored))
+
+    def _read_pending_tokens(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
+        """Fill the input of each decode whose token is pending from the last launch's
+        samples (device to device: the host never waits for them)."""
+        pending = [(row, seq.seq_id) for row, seq in enumerate(batch.seqs[:batch.num_decodes])
+                   if seq.num_pending_tokens]
+        if pending:
+            rows_of, token_ids = self._last_sampled
+            input_ids[self._long([row for row, _ in pending])] = \
+                token_ids[self._long([rows_of[seq_id] for _, seq_id in pending])]
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention_layout import long_tensor, to_device
+from .device_sample import DeviceSample
 from .outputs import SamplerOutput
 from .sequence import Sequence
 from .structured_outputs import apply_grammar_masks
@@ -28,6 +30,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token for each ``seqs[i]`` from ``logits[i]``."""
+        return self.sample(logits, seqs).to_host({}).result()
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """As ``__call__``, leaving the samples on the device: nothing here waits for it
+        (on CUDA every host tensor goes over by a non-blocking copy)."""
         logits = logits.float()
         # The requests of a batch mostly share a few SamplingParams: a step asks each one
         # once whether it uses a feature, and walks the rows only for features in use.
@@ -45,11 +52,14 @@ class Sampler:
         logprobs = torch.log_softmax(truncated, dim=-1)
         token_ids = self._draw(logprobs, seqs, any(p.greedy for p in distinct))
         chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        thresholds = None if truncated is processed else \
-            kept_thresholds(processed, truncated, [s.sampling_params.truncates for s in seqs])
-        top = _top_logprobs(logprobs, seqs) if any(p.logprobs for p in distinct) \
-            else [None] * len(seqs)
-        return SamplerOutput(token_ids.tolist(), chosen.tolist(), top, thresholds)
+        sample = DeviceSample(token_ids, chosen)
+        if truncated is not processed:
+            sample.thresholds = kept_thresholds(processed, truncated)
+            sample.threshold_rows = [s.sampling_params.truncates for s in seqs]
+        if any(p.logprobs for p in distinct):
+            sample.top_ks = [s.sampling_params.logprobs or 0 for s in seqs]
+            sample.top_values, sample.top_indices = logprobs.topk(max(sample.top_ks), dim=-1)
+        return sample
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget the generators of finished sequences."""
@@ -89,7 +99,8 @@ class Sampler:
     def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
-            if seq.num_output_tokens < params.min_tokens and not (
+            # Counting a token still on the device (overlapped steps): this row samples the next.
+            if seq.num_tokens - seq.num_prompt_tokens < params.min_tokens and not (
                     seq.matcher is not None and seq.matcher.is_completed()):
                 stops = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
                 logits[row, stops] = float("-inf")
@@ -98,7 +109,7 @@ class Sampler:
         temperatures = [s.sampling_params.temperature or 1.0 for s in seqs]
         if all(t == 1.0 for t in temperatures):
             return logits
-        return logits / torch.tensor(temperatures, device=logits.device)[:, None]
+        return logits / self._to_device(torch.tensor(temperatures))[:, None]
 
     def _truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         sampled = [not s.sampling_params.greedy for s in seqs]
@@ -108,9 +119,9 @@ class Sampler:
         if any(top_k):
             logits = apply_top_k(logits, top_k)
         if any(p < 1.0 for p in top_p):
-            logits = apply_top_p(logits, torch.tensor(top_p, device=logits.device))
+            logits = apply_top_p(logits, self._to_device(torch.tensor(top_p)))
         if any(min_p):
-            logits = apply_min_p(logits, torch.tensor(min_p, device=logits.device))
+            logits = apply_min_p(logits, self._to_device(torch.tensor(min_p)))
         return logits
 
     def _draw(self, logprobs: torch.Tensor, seqs: list[Sequence], any_greedy: bool
@@ -132,18 +143,23 @@ class Sampler:
         uniform = torch.rand(len(rows), 1, generator=self.generator, device=device)
         seeded = [j for j, i in enumerate(rows) if seqs[i].seed is not None]
         if seeded:
-            uniform[seeded, 0] = torch.cat([
+            uniform[long_tensor(seeded, device), 0] = torch.cat([
                 torch.rand(1, generator=self._generator_of(seqs[rows[j]]), device=device)
                 for j in seeded])
-        cdf = (logprobs if len(rows) == len(seqs) else logprobs[rows]).exp().cumsum_(dim=-1)
+        some = len(rows) < len(seqs)
+        rows_t = long_tensor(list(rows), device) if some else None
+        cdf = (logprobs[rows_t] if some else logprobs).exp().cumsum_(dim=-1)
         # Scaling by the row total absorbs float32 rounding in the cumulative sum; a token of
         # probability 0 adds nothing to the sum, so "first entry above u" never picks it.
         sampled = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(1)
         sampled = sampled.clamp(max=logprobs.shape[1] - 1)
-        if len(rows) == len(seqs):
+        if not some:
             return sampled
-        token_ids[rows] = sampled
+        token_ids[rows_t] = sampled
         return token_ids
+
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return to_device(tensor, self.device)
 
     def _generator_of(self, seq: Sequence) -> torch.Generator:
         generator = self.seq_generators.get(seq.seq_id)
@@ -156,7 +172,7 @@ class Sampler:
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
     """``logits`` (rows of a vocabulary) with all but each row's ``top_k`` largest at -inf
     (0: all kept)."""
-    k = torch.tensor([t or logits.shape[1] for t in top_k], device=logits.device)
+    k = long_tensor([t or logits.shape[1] for t in top_k], logits.device)
     k = k.clamp(max=logits.shape[1])
     sorted_logits = logits.sort(dim=-1, descending=True).values
     threshold = sorted_logits.gather(1, (k - 1)[:, None])
@@ -181,25 +197,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def kept_thresholds(processed: torch.Tensor, truncated: torch.Tensor,
-                    rows: list[bool]) -> list[float | None]:
-    """Per row of ``rows``, the logit halfway between the smallest kept and the largest
-    dropped one of ``processed`` (``truncated`` is -inf where dropped); -inf when nothing
-    was dropped, None for the other rows."""
+def kept_thresholds(processed: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+    """Per row, the logit halfway between the smallest kept and the largest dropped one of
+    ``processed`` (``truncated`` is -inf where dropped); -inf when nothing was dropped."""
     kept = torch.isfinite(truncated)
     dropped = ~kept & torch.isfinite(processed)
     lowest_kept = processed.masked_fill(~kept, float("inf")).min(dim=-1).values
     highest_dropped = processed.masked_fill(~dropped, float("-inf")).max(dim=-1).values
-    middle = torch.where(dropped.any(dim=-1), (lowest_kept + highest_dropped) / 2,
-                         torch.full_like(lowest_kept, float("-inf")))
-    return [value if row else None for value, row in zip(middle.tolist(), rows)]
-
-
-def _top_logprobs(logprobs: torch.Tensor, seqs: list[Sequence]) -> list[dict[int, float] | None]:
-    ks = [s.sampling_params.logprobs or 0 for s in seqs]
-    if not any(ks):
-        return [None] * len(seqs)
-    values, indices = logprobs.topk(max(ks), dim=-1)
-    values, indices = values.tolist(), indices.tolist()
-    return [dict(zip(indices[row][:k], values[row][:k])) if k else None
-            for row, k in enumerate(ks)]
+    return torch.where(dropped.any(dim=-1), (lowest_kept + highest_dropped) / 2,
+                       torch.full_like(lowest_kept, float("-inf")))

@@ -15,68 +15,14 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .held import HeldSequences
 from .outputs import SamplerOutput
+from .scheduled_batch import DecodeGroup, ScheduledBatch, live_seqs
 from .sequence import Sequence, SequenceStatus
 
 StopStringMatcher = Callable[[Sequence], str | None]
-
-
-@dataclass(slots=True)
-class DecodeGroup:
-    """The decodes of one request and the first ``num_shared_blocks`` KV blocks they share.
-
-    ``members`` are their rows in the batch. Cascade attention scores the shared blocks
-    once for all members.
-    """
-
-    members: list[int]
-    num_shared_blocks: int
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """One step's work: ``seqs[i]`` computes its next ``num_new_tokens[i]`` tokens.
-
-    The first ``num_decodes`` sequences are decodes (one token each); the rest are prefill
-    chunks. A sequence samples a token when its chunk reaches its last token. ``copies`` are
-    the ``(source, destination)`` KV blocks to copy before the step (copy-on-write);
-    ``decode_groups`` the decodes of each request and the leading blocks they share;
-    ``finished_seq_ids`` the sequences retired since the last step, whose per-sequence
-    state (seeded generators) the runner drops.
-    """
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_decodes: int = 0
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)
-
-    def samples(self, i: int) -> bool:
-        """True when ``seqs[i]`` samples a token at the end of this step."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
-
-    def sampling_groups(self) -> list[list[Sequence]]:
-        """The sequences sampling from each sampling row's logits, in batch order.
-
-        A row's group is its sequence and, when a group's prompt completes, the children that
-        fork from it.
-        """
-        return [[seq, *_live(seq.pending_children)] if seq.pending_children else [seq]
-                for seq, num_new in zip(self.seqs, self.num_new_tokens)
-                if seq.num_computed_tokens + num_new == len(seq.token_ids)]
-
-    def add(self, seq: Sequence, num_new_tokens: int, copy: tuple[int, int] | None) -> None:
-        """Schedule ``num_new_tokens`` of ``seq`` (after ``copy``, if any)."""
-        self.seqs.append(seq)
-        self.num_new_tokens.append(num_new_tokens)
-        if copy is not None:
-            self.copies.append(copy)
 
 
 class Scheduler:
@@ -135,6 +81,7 @@ class Scheduler:
                 break
             budget -= self._schedule_chunk(batch, seq, budget)
         while (budget > 0 and self.waiting and self._can_admit(self.waiting[0])
+               and not self.waiting[0].num_pending_tokens  # preempted with its token away
                and not self._defers(self.waiting[0], budget)):
             scheduled = self._schedule_chunk(batch, self.waiting[0], budget)
             if not scheduled:
@@ -163,7 +110,8 @@ class Scheduler:
         """Schedule the running decodes, oldest first, within ``budget``; the budget left.
 
         Most decodes write into a block they hold alone (``appends_in_place``) and need no
-        allocation; the others go through ``allocate_slots`` and may preempt.
+        allocation; the others go through ``allocate_slots`` and may preempt. A sequence
+        whose pending token surely ends it (``max_tokens``, ``max_model_len``) waits for it.
         """
         appends_in_place = self.block_manager.appends_in_place
         for seq in [s for s in self.running if s.num_uncomputed_tokens == 1]:
@@ -171,6 +119,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop for an older one
+            if seq.num_pending_tokens and self._ends_at_length(seq):
+                continue
             if appends_in_place(seq):
                 batch.add(seq, 1, None)
             elif not self._schedule_decode(batch, seq):
@@ -233,6 +183,13 @@ class Scheduler:
         if seq.block_table:
             self._drop_blocks(seq)
 
+    def register_computed_blocks(self) -> None:
+        """Hash every full block the running sequences have computed (with overlapped steps
+        a block whose last token was pending at its step waits to be hashed): before the
+        weights change, so those blocks key on the weights they were computed under."""
+        for seq in self.running:
+            self.block_manager.register_computed_blocks(seq)
+
     def _drop_blocks(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -273,30 +230,58 @@ class Scheduler:
 
     def update_from_output(self, batch: ScheduledBatch, output: SamplerOutput,
                            weight_version: int) -> list[Sequence]:
-        """Advance each scheduled sequence, fork completed group prompts, append the sampled
-        tokens, and retire the sequences they end.
+        """``advance`` then ``append_sampled``: a step's whole update, for a step whose
+        output is at hand. Returns the sequences finished in this step."""
+        sampled = self.advance(batch)
+        return self.append_sampled(batch, sampled, output, weight_version)
 
-        ``output`` holds one token per sequence of ``batch.sampling_groups()``, in that
-        order. Returns the sequences finished in this step.
+    def advance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """Advance each scheduled sequence past its chunk and fork completed group prompts,
+        once the step is launched; each sequence that samples gets a pending token.
+
+        Returns the sampling sequences, one per row of the step's output (the order of
+        ``batch.sampling_groups()``).
+        """
+        sampled: list[Sequence] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            seq.num_computed_tokens += num_new
+            if samples:
+                sampled += self._fork(seq) if seq.pending_children else (seq,)
+        for seq in sampled:
+            seq.num_pending_tokens += 1
+        return sampled
+
+    def append_sampled(self, batch: ScheduledBatch, sampled: list[Sequence],
+                       output: SamplerOutput, weight_version: int) -> list[Sequence]:
+        """Append the step's sampled tokens (``output``, one row per ``sampled`` sequence,
+        sampled under ``weight_version``) and its prompt log-probs, and retire the
+        sequences they end; returns those.
+
+        A sequence that ended (a stop, an abort) while its token was on the device drops
+        it: a token sampled past a stop is never emitted.
         """
         finished: list[Sequence] = []
         for i, scored in output.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs += scored
-        rows = zip(output.token_ids, output.logprobs, output.top_logprobs,
+        rows = zip(sampled, output.token_ids, output.logprobs, output.top_logprobs,
                    output.thresholds or itertools.repeat(None))
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            samples = seq.num_computed_tokens + num_new == len(seq.token_ids)
-            seq.num_computed_tokens += num_new
-            if not samples:
+        for seq, token_id, logprob, top_logprobs, threshold in rows:
+            if seq.is_finished:
                 continue
-            for member in self._fork(seq) if seq.pending_children else (seq,):
-                token_id, logprob, top_logprobs, threshold = next(rows)
-                member.append_token(token_id, logprob, top_logprobs, weight_version, threshold)
-                finish_reason = self._stop_reason(member)
-                if finish_reason is not None:
-                    self.finish(member, finish_reason)
-                    finished.append(member)
+            seq.num_pending_tokens -= 1
+            seq.append_token(token_id, logprob, top_logprobs, weight_version, threshold)
+            finish_reason = self._stop_reason(seq)
+            if finish_reason is not None:
+                self.finish(seq, finish_reason)
+                finished.append(seq)
         return finished
+
+    def _ends_at_length(self, seq: Sequence) -> bool:
+        """True when ``seq``'s tokens, pending ones counted, reach ``max_tokens`` or
+        ``max_model_len``."""
+        return (seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
+                or seq.num_tokens >= self.max_model_len)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """The finish reason if ``seq``'s newest token ends it ("stop" or "length"), else None.
@@ -324,7 +309,7 @@ class Scheduler:
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Start ``parent``'s pending children on its blocks; return the whole group."""
-        children = _live(parent.pending_children)
+        children = live_seqs(parent.pending_children)
         parent.pending_children = []
         for child in children:
             self.block_manager.fork(parent, child)
@@ -350,6 +335,9 @@ class Scheduler:
         if holds:
             self.held.add(seq)
         # a FORK_PENDING child holds nothing; its parent will skip it
+        if seq.num_pending_tokens:  # its tokens on the device are dropped, their K/V unused
+            seq.num_pending_tokens = 0
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
         self._finished_seq_ids.append(seq.seq_id)
@@ -359,7 +347,3 @@ def _uses_cache(seq: Sequence) -> bool:
     """Whether ``seq``'s prompt may come from the prefix cache: not when its prompt
     log-probs are asked for (a cache hit has no logits to score)."""
     return not seq.needs_prompt_logprobs
-
-
-def _live(seqs: list[Sequence]) -> list[Sequence]:
-    return [seq for seq in seqs if not seq.is_finished]

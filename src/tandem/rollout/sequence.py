@@ -32,6 +32,9 @@ class Sequence:
     (written K/V for) the first ``num_computed_tokens`` of them; the block table lists the
     physical KV blocks that hold them, in order. A sequence whose remaining uncomputed
     tokens are all scheduled in one step samples a new token at the end of that step.
+    With overlapped steps (``EngineConfig.async_scheduling``) that token stays on the device
+    until the host reads it a step later: until then it counts in ``num_pending_tokens``
+    (and in ``num_tokens``), but not in ``token_ids``.
 
     ``block_hashes`` are the prefix-cache hashes of its full blocks, in order;
     ``prompt_logprobs`` the prompt positions scored so far (when asked). A sequence with
@@ -51,6 +54,7 @@ class Sequence:
     sampling_params: SamplingParams
     seed: int | None = None
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     pending_children: list[Sequence] = field(default_factory=list)
@@ -68,12 +72,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.token_ids)
+        """Prompt plus generated tokens, those still on the device included."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        """Tokens generated so far."""
+        """Tokens generated so far (that the host knows: pending ones left out)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -89,8 +93,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Tokens whose K/V the model has not written yet."""
-        return len(self.token_ids) - self.num_computed_tokens
+        """Tokens whose K/V the model has not written yet (a pending one included)."""
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
