@@ -1,6 +1,6 @@
-"""The GPU check's engine sections: greedy tokens of the Triton path against torch's, decode
-with and without graphs, nano-bench, the memory share with sleep and wake, the engine's
-lifecycle, and the four kinds of weight update against a fresh engine.
+"""The GPU check's engine sections: greedy tokens of the Triton path against torch's, the
+memory share with sleep and wake, the engine's lifecycle, and the four kinds of weight update
+against a fresh engine (decode and nano-bench: ``gpu_check_throughput.py``).
 
 Every section builds its own engines inside its own functions and lets them go on return, so
 the next section starts with the device as the check found it (``gpu_check.py`` records what
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-import time
 from pathlib import Path
 
 import sync as sync_benchmark  # benchmarks/sync.py
@@ -23,11 +22,8 @@ from gpu_check_common import (
     live_engines,
     load_hf_model,
     make_llm,
-    sync,
     timed,
-    vocab_size,
 )
-from gpu_check_kernels import copy_bandwidth
 from safetensors.torch import save_file
 
 from tandem.kernels.testing import TOLERANCE, relative_error
@@ -119,131 +115,6 @@ def divergence_margins(rec: Recorder, folder: Path, prompts: list[list[int]],
     del model
     collect()
     return margins
-
-
-# ---------------------------------------------------------------- decode
-
-
-def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
-    """Decode tokens/s of ``batch`` sequences (128-token prompts), after their prefill."""
-    engine = llm.engine
-    request_ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for i, request_id in enumerate(request_ids):
-        engine.add_request(request_id, [(7 * i + j) % 500 + 2 for j in range(128)],
-                           SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    while min(engine.num_output_tokens(r) for r in request_ids) == 0:  # every prefill done
-        engine.step()
-    engine.step()
-    seconds = timed(lambda: [engine.step() for _ in range(steps)])
-    for request_id in request_ids:
-        engine.abort_request(request_id)
-    return batch * steps / seconds
-
-
-def check_decode(rec: Recorder, folder: Path) -> None:
-    """Engine decode tokens/s, eager against CUDA graphs, at batch 1, 8, 64 and 256."""
-    modes = {"eager": True} if rec.smoke else {"eager": True, "graphs": False}
-    for mode, enforce_eager in modes.items():
-        llm = make_llm(rec, folder, enforce_eager=enforce_eager,
-                       max_num_seqs=16 if rec.smoke else 256)
-        stats = llm.stats()
-        rec.record("decode", f"{mode} engine", graphs=stats["num_decode_graphs"],
-                   capture_seconds=round(stats["graph_capture_seconds"], 2),
-                   graph_bytes=stats["graph_bytes"],
-                   planned_graph_bytes=stats.get("memory_graph_bytes", 0))
-        for batch in [1, 2] if rec.smoke else [1, 8, 64, 256]:
-            rec.record("decode", f"decode tok/s {mode}", batch=batch,
-                       tok_s=round(decode_tok_s(llm, batch, 4 if rec.smoke else 32), 1))
-        del llm
-        collect()
-
-
-# ---------------------------------------------------------------- nano-bench
-
-
-def nano_bench_workload(num_seqs: int, low: int, high: int,
-                        vocab_size: int) -> tuple[list, list[int]]:
-    """Prompts of random ids below 10000 and output lengths, both lengths uniform in
-    [low, high] (nano-vllm's bench)."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, min(10000, vocab_size), (int(n),), generator=generator).tolist()
-               for n in torch.randint(low, high + 1, (num_seqs,), generator=generator)]
-    outputs = torch.randint(low, high + 1, (num_seqs,), generator=generator).tolist()
-    return prompts, outputs
-
-
-def bandwidth_bound_seconds(llm: LLM, prompts: list[list[int]], output_lens: list[int],
-                            copy_bytes_per_s: float) -> float:
-    """The workload's floor at the device's copy bandwidth: every decode step reads each
-    running sequence's cached K/V (o·p + o²/2 tokens a sequence) and the weights once."""
-    config = llm.engine.runner.model.config
-    kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads
-                          * config.head_dim * llm.engine.runner.dtype.itemsize)
-    cached_tokens = sum(o * len(p) + o * o / 2 for p, o in zip(prompts, output_lens))
-    weight_reads = max(output_lens) * llm.engine.runner.weight_bytes()
-    return (cached_tokens * kv_bytes_per_token + weight_reads) / copy_bytes_per_s
-
-
-def nano_bench_tandem(rec: Recorder, section: str, folder: Path, workload: tuple,
-                      copy_bytes_per_s: float) -> None:
-    prompts, output_lens = workload
-    llm = make_llm(rec, folder, max_model_len=512 if rec.smoke else 2048,
-                   max_num_seqs=16 if rec.smoke else 256,
-                   **({} if rec.smoke else {"gpu_memory_utilization": 0.6}))
-    llm.generate([[1, 2, 3]] * 4, SamplingParams(max_tokens=16, ignore_eos=True),
-                 use_tqdm=False)
-    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True)
-              for n in output_lens]
-    sync()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    sync()
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    bound = bandwidth_bound_seconds(llm, prompts, output_lens, copy_bytes_per_s)
-    rec.record(section, "tandem", tokens=tokens, seconds=round(seconds, 2),
-               tok_s=round(tokens / seconds, 1), bound_tok_s=round(tokens / bound, 1),
-               of_bound=round(bound / seconds, 3), preemptions=llm.stats()["preemptions"])
-
-
-def check_nano_bench(rec: Recorder, folder: Path, section: str = "nano_bench",
-                     comparator: bool = True) -> None:
-    """DESIGN.md's nano-bench (256 sequences, lengths uniform in [100, 1024], EOS ignored):
-    Tandem's output tok/s against the bandwidth bound, then transformers' ``generate`` on the
-    same prompts once the engine has gone."""
-    workload = nano_bench_workload(*((4, 10, 30) if rec.smoke else (256, 100, 1024)),
-                                   vocab_size(folder))
-    nano_bench_tandem(rec, section, folder, workload, copy_bandwidth(rec))
-    collect()
-    rec.record(section, "held after the engine", device_gib=round(device_used_bytes() / 2**30, 2))
-    if comparator:
-        hf_generate(rec, section, folder, *workload)
-
-
-def hf_generate(rec: Recorder, section: str, folder: Path, prompts: list[list[int]],
-                output_lens: list[int]) -> None:
-    """transformers ``generate`` on the prompts as one left-padded batch, sampling at 0.6,
-    every row to the longest output length or ``max_time``."""
-    model = load_hf_model(folder, torch.float32 if rec.smoke else torch.bfloat16, rec.device)
-    max_time = 5.0 if rec.smoke else max(10.0, min(20.0, rec.seconds_left() / 4))
-    width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=rec.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
-                        device=rec.device)
-    options = dict(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
-    length = max(output_lens)
-    with torch.no_grad():
-        model.generate(input_ids[:2, -8:], attention_mask=mask[:2, -8:], max_new_tokens=4,
-                       min_new_tokens=4, **options)
-        sync()
-        start = time.perf_counter()
-        out = model.generate(input_ids, attention_mask=mask, max_new_tokens=length,
-                             min_new_tokens=length, max_time=max_time, **options)
-        sync()
-    seconds = time.perf_counter() - start
-    tokens = (out.shape[1] - width) * len(prompts)
-    rec.record(section, "transformers generate", tokens=tokens, seconds=round(seconds, 2),
-               tok_s=round(tokens / seconds, 1), max_time=max_time)
 
 
 # ---------------------------------------------------------------- memory, sleep, lifecycle
