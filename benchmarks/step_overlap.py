@@ -47,8 +47,8 @@ class EmulatedDevice:
         self.busy_seconds = 0.0
         launch = ModelRunner.launch
 
-        def emulated(runner, batch):
-            copy = launch(runner, batch)
+        def emulated(runner, batch, **kwargs):
+            copy = launch(runner, batch, **kwargs)
             self.free_at = max(time.perf_counter(), self.free_at) + self.ms / 1e3
             self.busy_seconds += self.ms / 1e3
             return _Delayed(copy, self.free_at)

@@ -110,12 +110,12 @@ def test_group_decodes_attend_their_shared_prompt_blocks_once(llama_dir, monkeyp
     launch = engine.runner.launch
     seen = []
 
-    def spy(batch):
+    def spy(batch, **kwargs):
         decodes = batch.seqs[:batch.num_decodes]
         seen.append([([decodes[r].request_id for r in g.members], g.num_shared_blocks,
                       [decodes[r].block_table[:g.num_shared_blocks] for r in g.members])
                      for g in batch.decode_groups])
-        return launch(batch)
+        return launch(batch, **kwargs)
 
     monkeypatch.setattr(engine.runner, "launch", spy)
     group, alone = SamplingParams(n=4, max_tokens=30, seed=1), SamplingParams(max_tokens=30,

@@ -177,7 +177,8 @@ class BlockManager:
         alone and fills no block the prefix cache would register: ``allocate_slots(seq, 1)``
         would then change nothing and copy nothing, so it need not be called (15 decodes in
         16, asked once per sequence per step)."""
-        num_tokens, table, size = seq.num_tokens, seq.block_table, self.block_size
+        num_tokens = len(seq.token_ids) + seq.num_pending_tokens
+        table, size = seq.block_table, self.block_size
         if num_tokens > len(table) * size:
             return False  # a new block is due
         if self.blocks[table[(num_tokens - 1) // size]].ref_count != 1:

@@ -33,6 +33,7 @@ from .outputs import SamplerOutput
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
 from .scheduled_batch import ScheduledBatch
+from .sequence import Sequence
 from .tensor_parallel import (
     TensorParallel,
     full_from_slices,
@@ -84,8 +85,8 @@ class ModelRunner:
         self.graph_captures = 0
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
-        # The last launch's sampling rows by sequence, and its sampled tokens (on the device).
-        self._last_sampled: tuple[dict[int, int], torch.Tensor] = ({}, torch.empty(0))
+        # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
+        self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by Hugging Face name (a tied one under its first name)."""
@@ -289,19 +290,21 @@ class ModelRunner:
         return self.launch(batch).result()
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> HostCopy:
+    def launch(self, batch: ScheduledBatch, after_unread: bool = False) -> HostCopy:
         """Queue ``batch``'s forward pass and sampling on the device; the samples come back
         through the returned copy, whose ``result`` waits for them.
 
         Finished sequences' generators are dropped and copy-on-write block copies run first.
-        A decode whose newest token is pending (sampled by the last launch, unknown to the
-        host) reads it from that launch's samples on the device. A row whose group forks in
-        this step is sampled once per group member, each with its own parameters and
-        generator. Chunks that score prompt log-probs get them too (waiting for them).
+        ``after_unread``: the last launch's samples are not all read yet, so a decode whose
+        newest token is pending (unknown to the host) reads it from them on the device. A
+        row whose group forks in this step is sampled once per group member, each with its
+        own parameters and generator. Chunks that score prompt log-probs get them too
+        (waiting for them).
         """
         self.sampler.release(batch.finished_seq_ids)
         step, num_sampling, scored = self._prepare(batch)
-        self._read_pending_tokens(batch, step.input_ids)
+        if after_unread:
+            self._read_pending_tokens(batch, step.input_ids)
         logits = self.run_step(step).float()
         sampling, prompt = logits[:num_sampling], logits[num_sampling:]
         groups = batch.sampling_groups()
@@ -310,7 +313,7 @@ class ModelRunner:
             sizes = self._long([len(group) for group in groups])
             sampling = sampling.repeat_interleave(sizes, dim=0, output_size=len(seqs))
         sample = self.sampler.sample(sampling, seqs)
-        self._last_sampled = {seq.seq_id: row for row, seq in enumerate(seqs)}, sample.token_ids
+        self._last_sampled = seqs, sample.token_ids
         return sample.to_host(self._prompt_logprobs(batch, prompt, scored))
 
     def _read_pending_tokens(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
@@ -319,7 +322,8 @@ class ModelRunner:
         pending = [(row, seq.seq_id) for row, seq in enumerate(batch.seqs[:batch.num_decodes])
                    if seq.num_pending_tokens]
         if pending:
-            rows_of, token_ids = self._last_sampled
+            seqs, token_ids = self._last_sampled
+            rows_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
             input_ids[self._long([row for row, _ in pending])] = \
                 token_ids[self._long([rows_of[seq_id] for _, seq_id in pending])]
 

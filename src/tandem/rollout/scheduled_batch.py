@@ -51,7 +51,8 @@ class ScheduledBatch:
         """
         return [[seq, *live_seqs(seq.pending_children)] if seq.pending_children else [seq]
                 for seq, num_new in zip(self.seqs, self.num_new_tokens)
-                if seq.num_computed_tokens + num_new == seq.num_tokens]
+                if seq.num_computed_tokens + num_new
+                == len(seq.token_ids) + seq.num_pending_tokens]
 
     def add(self, seq: Sequence, num_new_tokens: int, copy: tuple[int, int] | None) -> None:
         """Schedule ``num_new_tokens`` of ``seq`` (after ``copy``, if any)."""

@@ -244,12 +244,14 @@ class Scheduler:
         """
         sampled: list[Sequence] = []
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            samples = seq.num_computed_tokens + num_new == seq.num_tokens
+            num_tokens = len(seq.token_ids) + seq.num_pending_tokens  # (inlined: hot)
+            samples = seq.num_computed_tokens + num_new == num_tokens
             seq.num_computed_tokens += num_new
-            if samples:
-                sampled += self._fork(seq) if seq.pending_children else (seq,)
-        for seq in sampled:
-            seq.num_pending_tokens += 1
+            if not samples:
+                continue
+            for member in self._fork(seq) if seq.pending_children else (seq,):
+                member.num_pending_tokens += 1
+                sampled.append(member)
         return sampled
 
     def append_sampled(self, batch: ScheduledBatch, sampled: list[Sequence],
@@ -267,7 +269,7 @@ class Scheduler:
         rows = zip(sampled, output.token_ids, output.logprobs, output.top_logprobs,
                    output.thresholds or itertools.repeat(None))
         for seq, token_id, logprob, top_logprobs, threshold in rows:
-            if seq.is_finished:
+            if seq.status is SequenceStatus.FINISHED:
                 continue
             seq.num_pending_tokens -= 1
             seq.append_token(token_id, logprob, top_logprobs, weight_version, threshold)

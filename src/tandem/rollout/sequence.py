@@ -94,7 +94,7 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V the model has not written yet (a pending one included)."""
-        return self.num_tokens - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

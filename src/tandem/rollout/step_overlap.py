@@ -95,7 +95,7 @@ class StepOverlap:
 
     def _launch(self, batch: ScheduledBatch, scheduler: Scheduler,
                 weight_version: int) -> InFlightStep:
-        copy = self.runner.launch(batch)
+        copy = self.runner.launch(batch, after_unread=self.in_flight is not None)
         return InFlightStep(batch, scheduler.advance(batch), copy, weight_version)
 
     def _land(self, scheduler: Scheduler) -> list[Sequence]:
