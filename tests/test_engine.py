@@ -218,19 +218,3 @@ def test_each_prompt_is_tokenized_once_offline(llm, monkeypatch):
     tokenizer.calls.clear()
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not tokenizer.calls
-
-
-def test_seeded_generators_do_not_outlive_their_sequences(llm):
-    """Generators of finished sequences go at the next step, and all of them with the pool
-    when the engine sleeps (a trainer sleeps it every step)."""
-    generators = llm.engine.runner.sampler.seq_generators
-    seeded = SamplingParams(n=4, max_tokens=3, seed=5, ignore_eos=True)
-    llm.generate([[5, 6, 7]], seeded, use_tqdm=False)
-    assert 0 < len(generators) <= 4
-    llm.generate([[8, 9]], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert not generators
-    for _ in range(3):
-        llm.generate([[5, 6, 7]], seeded, use_tqdm=False)
-        llm.sleep()
-        assert not generators
-        llm.wake_up()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.sampler import Sampler
+from tandem.rollout.sampler import Sampler, seeded_uniforms
 from tandem.rollout.sequence import Sequence
 
 
@@ -142,3 +142,40 @@ def test_sampled_frequencies_follow_processed_distribution():
     assert (counts - probs).abs().max() < 0.03
     expected = torch.log_softmax(logits[0], -1)[torch.tensor(output.token_ids)]
     assert torch.allclose(torch.tensor(output.logprobs), expected)
+
+
+def seeded_seqs(seeds: list[int], num_outputs: list[int]) -> list[Sequence]:
+    """Sampling sequences with ``seeds``, each ``num_outputs[i]`` tokens into its output."""
+    return [Sequence(seq_id=i, request_id="r", index=0, token_ids=[1] * (1 + k),
+                     num_prompt_tokens=1, seed=seed,
+                     sampling_params=SamplingParams(temperature=1.0, seed=seed))
+            for i, (seed, k) in enumerate(zip(seeds, num_outputs))]
+
+
+def test_seeded_uniforms_are_uniform_and_keyed_by_seed_and_counter():
+    draws = seeded_uniforms([7] * 20000, list(range(20000)))
+    across = seeded_uniforms(list(range(20000)), [0] * 20000)  # every seed's first draw
+    for values in (draws, across):
+        assert values.dtype == torch.float32 and 0 <= values.min() and values.max() < 1
+        counts = torch.histc(values, bins=20, min=0, max=1)
+        chi2 = ((counts - 1000) ** 2 / 1000).sum()
+        assert chi2 < 45  # 19 degrees of freedom: p < 0.001 past 43.8
+        assert abs(torch.corrcoef(torch.stack([values[:-1], values[1:]]))[0, 1]) < 0.03
+    assert torch.equal(seeded_uniforms([7, 7, 8], [3, 4, 3]),
+                       torch.cat([draws[3:5], seeded_uniforms([8], [3])]))
+    assert seeded_uniforms([2**64 + 5], [1]) == seeded_uniforms([5], [1])
+
+
+def test_a_seeded_row_samples_from_its_seed_and_position_alone():
+    """The same (seed, output index) picks the same token whatever rows sit beside it, and
+    seeded rows follow the distribution as unseeded ones do."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
+    logits = (probs + 1e-30).log().repeat(4000, 1)
+    sampler = Sampler(set(), seed=0, device=torch.device("cpu"))
+    output = sampler(logits, seeded_seqs(list(range(4000)), [3] * 4000))
+    counts = torch.bincount(torch.tensor(output.token_ids), minlength=5).float() / 4000
+    assert counts[4] == 0 and (counts - probs).abs().max() < 0.03
+    alone = [sampler(logits[:1], seeded_seqs([seed], [3])).token_ids[0] for seed in range(40)]
+    assert alone == output.token_ids[:40]
+    later = sampler(logits[:40], seeded_seqs(list(range(40)), [4] * 40)).token_ids
+    assert later != alone  # the next output index draws anew

@@ -110,4 +110,3 @@ def test_update_appends_tokens_and_retires_stopped_sequences_with_their_reason()
     assert stops.block_table == [] and scheduler.running == [runs]
     assert runs.output_token_ids == [9] and runs.logprobs == [-2.0]
     assert runs.token_weight_versions == [3] and runs.weight_versions == (3, 3)
-    assert scheduler.schedule().finished_seq_ids == [stops.seq_id]

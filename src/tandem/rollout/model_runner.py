@@ -237,10 +237,8 @@ class ModelRunner:
         self.graphs, self.graph_addresses = None, None
 
     def free_kv_cache(self) -> None:
-        """Release the KV pool's memory and every sequence's seeded generator (no sequence
-        outlives its pool); ``allocate_kv_cache`` brings a zeroed pool back at the same
-        address, so the decode graphs are kept."""
-        self.sampler.release(list(self.sampler.seq_generators))
+        """Release the KV pool's memory; ``allocate_kv_cache`` brings a zeroed pool back at
+        the same address, so the decode graphs are kept."""
         self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
         for attention in self.model.attention_layers():
             attention.k_cache = attention.v_cache = self.kv_cache
@@ -294,14 +292,12 @@ class ModelRunner:
         """Queue ``batch``'s forward pass and sampling on the device; the samples come back
         through the returned copy, whose ``result`` waits for them.
 
-        Finished sequences' generators are dropped and copy-on-write block copies run first.
-        ``after_unread``: the last launch's samples are not all read yet, so a decode whose
-        newest token is pending (unknown to the host) reads it from them on the device. A
-        row whose group forks in this step is sampled once per group member, each with its
-        own parameters and generator. Chunks that score prompt log-probs get them too
-        (waiting for them).
+        Copy-on-write block copies run first. ``after_unread``: the last launch's samples
+        are not all read yet, so a decode whose newest token is pending (unknown to the
+        host) reads it from them on the device. A row whose group forks in this step is
+        sampled once per group member, each with its own parameters (and seed). Chunks that
+        score prompt log-probs get them too (waiting for them).
         """
-        self.sampler.release(batch.finished_seq_ids)
         step, num_sampling, scored = self._prepare(batch)
         if after_unread:
             self._read_pending_tokens(batch, step.input_ids)

@@ -6,10 +6,15 @@ is complete: it allows nothing else), temperature, top-k, top-p, min-p. The retu
 token is its log-prob under that *processed* distribution (float32): after temperature, and
 renormalised over the tokens that truncation kept. Greedy rows (temperature 0) take the
 argmax and report log-probs of the penalised logits at temperature 1, untruncated.
+
+A seeded sequence draws the uniform of its k-th token from its seed and k alone
+(``seeded_uniforms``: a counter-based hash, as JAX's and Philox's keyed streams): the same
+tokens whatever batch, step or overlap it runs in, with no per-sequence generator to keep.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .attention_layout import long_tensor, to_device
@@ -20,13 +25,13 @@ from .structured_outputs import apply_grammar_masks
 
 
 class Sampler:
-    """Samples with per-request seeded generators; unseeded rows share the engine's one."""
+    """Samples seeded rows from their seeds (``seeded_uniforms``); unseeded rows share the
+    engine's generator."""
 
     def __init__(self, eos_token_ids: set[int], seed: int, device: torch.device) -> None:
         self.eos_token_ids = sorted(eos_token_ids)
         self.device = device
         self.generator = torch.Generator(device).manual_seed(seed)
-        self.seq_generators: dict[int, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token for each ``seqs[i]`` from ``logits[i]``."""
@@ -60,11 +65,6 @@ class Sampler:
             sample.top_ks = [s.sampling_params.logprobs or 0 for s in seqs]
             sample.top_values, sample.top_indices = logprobs.topk(max(sample.top_ks), dim=-1)
         return sample
-
-    def release(self, seq_ids: list[int]) -> None:
-        """Forget the generators of finished sequences."""
-        for seq_id in seq_ids:
-            self.seq_generators.pop(seq_id, None)
 
     @staticmethod
     def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
@@ -129,9 +129,9 @@ class Sampler:
         """Argmax for greedy rows; inverse-CDF sampling with one uniform per row otherwise.
 
         One uniform per row is cheap (per-element noise costs tens of ms per step on a CPU
-        at a 49k vocabulary), and lets each seeded row draw from its own generator: the
-        engine's generator draws one for every sampled row, and a seeded row's own
-        generator replaces it (so unseeded rows draw the same whatever rows are seeded).
+        at a 49k vocabulary), and lets each seeded row draw its own: the engine's generator
+        draws one for every sampled row, and a seeded row's ``seeded_uniforms`` value
+        replaces it (so unseeded rows draw the same whatever rows are seeded).
         """
         device = logprobs.device
         rows = [i for i, s in enumerate(seqs) if not s.sampling_params.greedy] \
@@ -141,11 +141,18 @@ class Sampler:
             if not rows:
                 return token_ids
         uniform = torch.rand(len(rows), 1, generator=self.generator, device=device)
-        seeded = [j for j, i in enumerate(rows) if seqs[i].seed is not None]
+        row_seqs = seqs if len(rows) == len(seqs) else [seqs[i] for i in rows]
+        seeded = [j for j, s in enumerate(row_seqs) if s.seed is not None]
         if seeded:
-            uniform[long_tensor(seeded, device), 0] = torch.cat([
-                torch.rand(1, generator=self._generator_of(seqs[rows[j]]), device=device)
-                for j in seeded])
+            every = len(seeded) == len(row_seqs)
+            chosen = row_seqs if every else [row_seqs[j] for j in seeded]
+            values = self._to_device(seeded_uniforms(  # at each one's output index, pending
+                [s.seed for s in chosen],              # tokens counted
+                [len(s.token_ids) + s.num_pending_tokens - s.num_prompt_tokens for s in chosen]))
+            if every:
+                uniform = values[:, None]
+            else:
+                uniform[long_tensor(seeded, device), 0] = values
         some = len(rows) < len(seqs)
         rows_t = long_tensor(list(rows), device) if some else None
         cdf = (logprobs[rows_t] if some else logprobs).exp().cumsum_(dim=-1)
@@ -161,12 +168,26 @@ class Sampler:
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device)
 
-    def _generator_of(self, seq: Sequence) -> torch.Generator:
-        generator = self.seq_generators.get(seq.seq_id)
-        if generator is None:
-            generator = torch.Generator(self.device).manual_seed(seq.seed)
-            self.seq_generators[seq.seq_id] = generator
-        return generator
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # splitmix64's constants
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 (array arithmetic wraps modulo 2^64)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    return z ^ (z >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: list[int], counters: list[int]) -> torch.Tensor:
+    """One float32 uniform in [0, 1) per ``(seed, counter)`` pair: splitmix64 of the seed,
+    then of that plus the counter's step, its top 24 bits (a float32's precision). Seeds
+    are taken modulo 2^64."""
+    keys = _splitmix64(np.array([s % (1 << 64) for s in seeds], dtype=np.uint64) + _GOLDEN)
+    mixed = _splitmix64(keys + np.array(counters, dtype=np.uint64) * _GOLDEN)
+    return torch.from_numpy((mixed >> np.uint64(40)).astype(np.float32) * np.float32(2**-24))
 
 
 def apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:

@@ -37,7 +37,8 @@ class SamplingParams:
         "token ids that end a completion (kept in its token ids).")})
     ignore_eos: bool = field(default=False, metadata={"help": "generate past EOS."})
     seed: int | None = field(default=None, metadata={"help": (
-        "seed of this request's own generator (None: the engine's).")})
+        "this request's own seed: its k-th token draws from (seed, k) alone (None: the "
+        "engine's generator).")})
     logprobs: int | None = field(default=None, metadata={"help": (
         "None: no log-probs; 0: each sampled token's processed log-prob; k > 0: also the "
         "top k.")})

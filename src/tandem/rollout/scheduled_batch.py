@@ -26,9 +26,7 @@ class ScheduledBatch:
     The first ``num_decodes`` sequences are decodes (one token each); the rest are prefill
     chunks. A sequence samples a token when its chunk reaches its last token. ``copies`` are
     the ``(source, destination)`` KV blocks to copy before the step (copy-on-write);
-    ``decode_groups`` the decodes of each request and the leading blocks they share;
-    ``finished_seq_ids`` the sequences retired since the last step, whose per-sequence
-    state (seeded generators) the runner drops.
+    ``decode_groups`` the decodes of each request and the leading blocks they share.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -36,7 +34,6 @@ class ScheduledBatch:
     num_decodes: int = 0
     copies: list[tuple[int, int]] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
-    finished_seq_ids: list[int] = field(default_factory=list)
 
     def samples(self, i: int) -> bool:
         """True when ``seqs[i]`` samples a token at the end of this step."""

@@ -61,7 +61,6 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_decode_steps = 0  # steps that decoded, and the sequences they decoded
         self.num_decoded_seqs = 0
-        self._finished_seq_ids: list[int] = []
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back of the waiting queue."""
@@ -88,8 +87,6 @@ class Scheduler:
                 break
             self._start(self.waiting.popleft())
             budget -= scheduled
-        if batch.seqs:
-            batch.finished_seq_ids, self._finished_seq_ids = self._finished_seq_ids, []
         return batch
 
     def _defers(self, seq: Sequence, budget: int) -> bool:
@@ -342,7 +339,6 @@ class Scheduler:
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = finish_reason
-        self._finished_seq_ids.append(seq.seq_id)
 
 
 def _uses_cache(seq: Sequence) -> bool:

@@ -23,8 +23,8 @@ The cost is one step of lag in what the host knows:
   step, on the same stream, reuses them).
 
 Seeded requests sample the same tokens either way, and the same log-probs within the last
-bits that a wider batch may round differently: each draws from its own generator once per
-token, and the extra step of a stopped sequence draws after its end. Unseeded requests
+bits that a wider batch may round differently: each draws its k-th token's uniform from its
+seed and k alone (``sampler.seeded_uniforms``), whatever step samples it. Unseeded requests
 share the engine's generator, which those extra rows advance: they sample as validly, but
 not the same tokens as with overlap off.
 """
