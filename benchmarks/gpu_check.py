@@ -12,7 +12,8 @@ engines still alive):
   Qwen3-0.6B sizes, relative error ‖out − ref‖ / ‖ref‖, in bfloat16, float16 and float32.
 - ``tokens``: greedy tokens of the whole model, Triton (eager and graphs) against torch: all
   equal in float32; in bfloat16 a divergence passes only at a near-tie (the float32 model's
-  top-2 margin under bfloat16's spacing), and the margin is recorded.
+  top-2 margin under bfloat16's spacing), and the margin is recorded; seeded sampling with
+  overlapped steps against the landed path: the same tokens.
 - ``memory``: the engine's share at start and under load against ``gpu_memory_utilization``;
   sleep and wake at both levels (seconds, their parts, what stays held), seeded sampling after.
 - ``lifecycle``: an engine deleted by its only owner gives its memory back.

@@ -23,6 +23,7 @@ from gpu_check_common import (
     load_hf_model,
     make_llm,
     timed,
+    vocab_size,
 )
 from safetensors.torch import save_file
 
@@ -81,6 +82,29 @@ def check_tokens(rec: Recorder, folder: Path) -> None:
             collect()
         for name in ("triton eager", "triton graphs"):
             record_token_check(rec, folder, dtype, name, prompts, tokens[name], tokens["torch"])
+        check_overlap_tokens(rec, folder, dtype)
+
+
+def check_overlap_tokens(rec: Recorder, folder: Path, dtype: str) -> None:
+    """Seeded sampling with overlapped steps against the landed path on one engine (its
+    switch flipped), stop tokens drawn often enough that stopped sequences run their extra
+    step: the same tokens (the log-prob gap recorded: a widened batch may round otherwise)."""
+    llm = make_llm(rec, folder, dtype=dtype)
+    prompts = random_prompts(4 if rec.smoke else 16, 5, 20 if rec.smoke else 200, seed=3)
+    stops = list(range(100, 100 + vocab_size(folder) // 64))  # about 1.6% of the draws
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=8 if rec.smoke else 96,
+                             logprobs=0, stop_token_ids=stops) for i in range(len(prompts))]
+    samples = {}
+    for overlap in (False, True):
+        llm.engine.steps.overlap = overlap
+        samples[overlap] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                            for o in llm.generate(prompts, params, use_tqdm=False)]
+    row = compare_samples(samples[True], samples[False])
+    lengths = [len(tokens) for tokens, _ in samples[False]]
+    row["ok"] = row["equal_sequences"] == f"{len(prompts)}/{len(prompts)}"
+    rec.record("tokens", "seeded, overlap on = off", dtype=dtype, lengths=lengths, **row)
+    del llm
+    collect()
 
 
 def record_token_check(rec: Recorder, folder: Path, dtype: str, name: str,
