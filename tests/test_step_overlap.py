@@ -185,6 +185,41 @@ def test_held_continuations_equal(llama_dir):
     assert_close(both(True), both(False), 1e-5)
 
 
+@pytest.mark.parametrize("carried_kv", ["keep", "recompute"])
+def test_partial_rollouts_carry_the_same_groups_either_way(llama_dir, carried_kv):
+    """GRPO's partial rollouts: groups carried unfinished across an update (of the same
+    values) and a recompute; every group sampled both ways holds the same completions."""
+    from transformers import AutoTokenizer
+
+    from tandem.rollout import LLM
+    from tandem.trainers.config import RolloutConfig
+    from tandem.trainers.groups import CompletionSource
+
+    from .test_group_rollouts import ENGINE, examples, partial_collector, same_weights
+    from .test_group_rollouts import spread_by_example as score
+
+    def groups(overlap: bool) -> dict:
+        llm = LLM(str(llama_dir), **ENGINE, async_scheduling=overlap)
+        collector = partial_collector(CompletionSource(
+            llm, AutoTokenizer.from_pretrained(llama_dir),
+            RolloutConfig(num_generations=2, max_tokens=12), seed=0), 5)
+        extras = iter(examples("ssss", start=50))
+        collected = collector.collect(examples("ss"), lambda k: next(extras), score()).groups
+        llm.update_weights(same_weights(llm))
+        if carried_kv == "recompute":
+            llm.engine.recompute_unfinished()
+        collected += collector.collect(examples("ss", start=60), lambda k: next(extras),
+                                       score()).groups
+        collector.drop_carried()
+        assert llm.stats()["kv_blocks_used"] == 0
+        return {g.key: (g.completion_ids, g.sampler_logprobs) for g in collected}
+
+    landed, overlapped = groups(False), groups(True)
+    both = landed.keys() & overlapped.keys()
+    assert len(both) >= 3  # (which groups finish by a step's end may differ by a step)
+    assert_close({k: overlapped[k] for k in both}, {k: landed[k] for k in both}, 1e-5)
+
+
 def test_bfloat16_equal_when_every_stop_is_by_length(llama_dir):
     """In bfloat16 a row's logits depend in their last bits on the batch around it, so the
     extra step of a token-stopped sequence may change others' tokens; length stops add
