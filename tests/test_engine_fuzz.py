@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -165,10 +166,12 @@ class EngineMachine(RuleBasedStateMachine):
         assert stats["kv_blocks_used"] == 0 and not self.engine.has_unfinished_requests()
 
 
-def test_engine_api_fuzz(llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_api_fuzz(llama_dir, async_scheduling):
     class OnThisModel(EngineMachine):
         config = EngineConfig(model=str(llama_dir), block_size=8, num_kv_blocks=10,
-                              max_model_len=64, max_num_seqs=6)
+                              max_model_len=64, max_num_seqs=6,
+                              async_scheduling=async_scheduling)
 
     run_state_machine_as_test(OnThisModel, settings=settings(
         max_examples=40, stateful_step_count=25, deadline=None))
