@@ -149,9 +149,12 @@ class HeldEpisodesMachine(RuleBasedStateMachine):
     force releases and preemptions: the engine always finishes what it accepted, and once
     everything is released the pool is whole again."""
 
+    async_scheduling = False
+
     def __init__(self) -> None:
         super().__init__()
-        self.llm = LLM(str(machine_model_dir()), num_kv_blocks=12, max_model_len=96, max_num_seqs=8)
+        self.llm = LLM(str(machine_model_dir()), num_kv_blocks=12, max_model_len=96,
+                       max_num_seqs=8, async_scheduling=self.async_scheduling)
         self.engine = self.llm.engine
         self.held: list[tuple[str, int]] = []
         self.next_id = 0
@@ -204,6 +207,16 @@ class HeldEpisodesMachine(RuleBasedStateMachine):
 
 TestHeldEpisodes = HeldEpisodesMachine.TestCase
 TestHeldEpisodes.settings = settings(max_examples=15, stateful_step_count=20, deadline=None)
+
+
+class OverlappedHeldEpisodesMachine(HeldEpisodesMachine):
+    """The same, with overlapped steps (``async_scheduling``)."""
+
+    async_scheduling = True
+
+
+TestOverlappedHeldEpisodes = OverlappedHeldEpisodesMachine.TestCase
+TestOverlappedHeldEpisodes.settings = TestHeldEpisodes.settings
 
 
 def test_a_new_held_request_under_an_id_that_still_holds_is_refused(llama_dir):
