@@ -41,6 +41,7 @@ from tandem.rollout.memory import (
     size_kv_cache,
 )
 from tandem.rollout.model_runner import ModelRunner
+from tandem.rollout.scheduler import MAX_SCORED_TOKENS
 
 GIB = 1 << 30
 CONFIG = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -122,6 +123,8 @@ def test_activation_estimate_holds_the_hidden_states_and_logits_and_grows_with_t
         assert estimate >= 4 * (tokens * CONFIG.hidden_size + seqs * CONFIG.vocab_size)
         assert activation_bytes(CONFIG, tokens + 1, seqs) > estimate
         assert activation_bytes(CONFIG, tokens, seqs + 1) > estimate
+        # and the float32 logits and log-probs of the prompt positions a step may score
+        assert estimate >= 4 * 2 * MAX_SCORED_TOKENS * CONFIG.vocab_size
 
 
 def cpu_config(**options) -> EngineConfig:

@@ -6,7 +6,7 @@ from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.block_manager import BlockManager
 from tandem.rollout.held import HeldSequences
 from tandem.rollout.outputs import SamplerOutput
-from tandem.rollout.scheduler import Scheduler
+from tandem.rollout.scheduler import MAX_SCORED_TOKENS, Scheduler
 from tandem.rollout.sequence import Sequence
 
 PROMPTS = ["What is 2+3? The answer is", "The quick brown fox jumps over the lazy dog. " * 3,
@@ -110,3 +110,24 @@ def test_update_appends_tokens_and_retires_stopped_sequences_with_their_reason()
     assert stops.block_table == [] and scheduler.running == [runs]
     assert runs.output_token_ids == [9] and runs.logprobs == [-2.0]
     assert runs.token_weight_versions == [3] and runs.weight_versions == (3, 3)
+
+
+def test_a_step_scores_at_most_max_scored_tokens_prompt_positions():
+    """Chunks that score prompt log-probs share MAX_SCORED_TOKENS a step (their logits are
+    the step's largest tensors); a prompt that would score more waits for the next step,
+    and the queue behind it with it (first come, first served)."""
+    scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=8,
+                          max_num_batched_tokens=4096, eos_token_ids={0}, max_model_len=2048,
+                          match_stop_string=lambda seq: None, held=HeldSequences(),
+                          group_decodes=True)
+    scored = [make_seq(i, 700) for i in (1, 2)]
+    for seq in scored:
+        seq.sampling_params = SamplingParams(prompt_logprobs=1)
+    plain = make_seq(3, 700)
+    for seq in (*scored, plain):
+        scheduler.add(seq)
+    batch = scheduler.schedule()
+    chunks = dict(zip((s.seq_id for s in batch.seqs), batch.num_new_tokens))
+    assert chunks[1] == MAX_SCORED_TOKENS and 2 not in chunks  # the second scores next step
+    assert batch.num_scored_tokens == MAX_SCORED_TOKENS
+    assert scored[1] in scheduler.waiting and plain in scheduler.waiting  # behind it, in order

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from .block_manager import num_blocks_for
 from .config import EngineConfig
 from .models.llama import head_dim_of
+from .scheduler import MAX_SCORED_TOKENS
 from .tensor_parallel import local_heads
 
 GRAPH_OVERHEAD_BYTES = 4 << 20
@@ -110,8 +111,10 @@ def activation_bytes_per_token(hf_config: PretrainedConfig) -> int:
 
 def activation_bytes(hf_config: PretrainedConfig, max_num_batched_tokens: int,
                      max_num_seqs: int) -> int:
-    """A float32 upper estimate of one step's activations plus the sampler's logits."""
-    logits = 4 * 4 * max_num_seqs * hf_config.vocab_size
+    """A float32 upper estimate of one step's activations plus its logits: four float32
+    copies of each sampling row's (the sampler's), and three of each prompt position's that
+    a step may score for prompt log-probs (``MAX_SCORED_TOKENS``: logits, float32, log-probs)."""
+    logits = 4 * (4 * max_num_seqs + 3 * MAX_SCORED_TOKENS) * hf_config.vocab_size
     return max_num_batched_tokens * activation_bytes_per_token(hf_config) + logits
 
 

@@ -26,7 +26,8 @@ class ScheduledBatch:
     The first ``num_decodes`` sequences are decodes (one token each); the rest are prefill
     chunks. A sequence samples a token when its chunk reaches its last token. ``copies`` are
     the ``(source, destination)`` KV blocks to copy before the step (copy-on-write);
-    ``decode_groups`` the decodes of each request and the leading blocks they share.
+    ``decode_groups`` the decodes of each request and the leading blocks they share;
+    ``num_scored_tokens`` the tokens of chunks that score prompt log-probs.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -34,6 +35,7 @@ class ScheduledBatch:
     num_decodes: int = 0
     copies: list[tuple[int, int]] = field(default_factory=list)
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    num_scored_tokens: int = 0
 
     def samples(self, i: int) -> bool:
         """True when ``seqs[i]`` samples a token at the end of this step."""

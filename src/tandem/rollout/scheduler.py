@@ -23,6 +23,10 @@ from .scheduled_batch import DecodeGroup, ScheduledBatch, live_seqs
 from .sequence import Sequence, SequenceStatus
 
 StopStringMatcher = Callable[[Sequence], str | None]
+# Most prompt positions one step scores for prompt_logprobs: their logits, [positions,
+# vocabulary] in float32 and again as log-probs, are a step's largest tensors (512 rows of a
+# 152k vocabulary take 0.9 GB); the memory plan reserves them (memory.py).
+MAX_SCORED_TOKENS = 512
 
 
 class Scheduler:
@@ -141,8 +145,14 @@ class Scheduler:
         return True
 
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        """Schedule a prefill chunk of ``seq`` within ``budget``; the tokens scheduled (0:
-        the pool is short)."""
+        """Schedule a prefill chunk of ``seq`` within ``budget`` (and, when it scores prompt
+        log-probs, within what ``MAX_SCORED_TOKENS`` leaves of the step); the tokens
+        scheduled (0: the pool is short, or the step scores all it may)."""
+        scores = seq.needs_prompt_logprobs
+        if scores:
+            budget = min(budget, MAX_SCORED_TOKENS - batch.num_scored_tokens)
+            if budget <= 0:
+                return 0
         if seq.resume_from is not None:
             self._resume(seq)
         while (allocation := self.block_manager.allocate_slots(seq, budget, _uses_cache(seq))
@@ -153,6 +163,7 @@ class Scheduler:
                 return 0
         seq.num_computed_tokens += allocation.num_cached_tokens
         batch.add(seq, allocation.num_new_tokens, allocation.copy)
+        batch.num_scored_tokens += allocation.num_new_tokens if scores else 0
         self.num_prefill_tokens += allocation.num_new_tokens
         return allocation.num_new_tokens
 
