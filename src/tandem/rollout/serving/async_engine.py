@@ -8,13 +8,10 @@ engine method); its messages come back to the event loop in order, through
 requests, token counts, the scheduler's waiting queue) and each call's answer. Prompts are
 tokenized on the input thread, beside the event loop.
 
-A streamed request's tokens accumulate in its ``StreamedOutput`` until its consumer is
-ready: a consumer that fell behind gets one snapshot carrying everything since its last
-(one chunk per stream per wake), never one per step. Admission is bounded (admission.py):
-past ``max_num_waiting`` requests accepted but not yet running, or once ``drain`` has
-begun, a new request is refused and nothing accepted is ever dropped. A request with a
-deadline is aborted when it passes. A core process that dies fails every request and every
-later call with ``EngineDeadError`` (503).
+A streamed request's tokens accumulate until its consumer is ready: one that fell behind
+gets one snapshot carrying everything since its last, never one per step. Admission is
+bounded (admission.py); a request past its deadline is aborted; a core process that dies
+fails every request and every later call with ``EngineDeadError`` (503).
 """
 
 from __future__ import annotations
@@ -142,6 +139,8 @@ class AsyncLLMEngine:
             RequestTimeoutError: when the deadline passes during a pause.
             EngineDeadError: when the core process has died.
         """
+        if self._dead is not None:  # before a pause's wait: a dead core never resumes
+            raise self._dead
         self.admission.check(len(prompts))
         deadline = Deadline.after(timeout)
         self.admission.num_queued += len(prompts)

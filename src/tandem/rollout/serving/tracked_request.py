@@ -92,13 +92,17 @@ class StreamedOutput:
                 completion.token_ids, skip_special_tokens=self.params.skip_special_tokens)
             completion.num_decoded = len(completion.token_ids)
         versions = completion.token_weight_versions
-        return CompletionOutput(
-            index=completion.index, token_ids=completion.token_ids, text=completion.text,
-            cumulative_logprob=None, logprobs=completion.logprobs,
-            top_logprobs=completion.top_logprobs, finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
+        return CompletionOutput(  # copies: the lists grow on, the snapshot stays
+            index=completion.index, token_ids=list(completion.token_ids),
+            text=completion.text, cumulative_logprob=None,
+            logprobs=_copy(completion.logprobs), top_logprobs=_copy(completion.top_logprobs),
+            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
             weight_versions=(versions[0], versions[-1]) if versions else None,
-            token_weight_versions=versions)
+            token_weight_versions=list(versions))
+
+
+def _copy(values: list | None) -> list | None:
+    return None if values is None else list(values)
 
 
 @dataclass(slots=True)
