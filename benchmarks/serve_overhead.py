@@ -63,11 +63,12 @@ def offline_tok_s(folder: Path, prompts: list[list[int]], max_tokens: int) -> fl
     return tokens / (time.perf_counter() - start)
 
 
-def server_command(folder: Path, port: int, engine_core: str) -> list[str]:
-    """``tandem serve`` on ``port``, as padded_serve.py (``STEP_MS_VARIABLE`` pads it)."""
+def server_command(folder: Path, port: int, serve_options: list[str]) -> list[str]:
+    """``tandem serve`` on ``port`` with ``serve_options``, as padded_serve.py
+    (``STEP_MS_VARIABLE`` pads it)."""
     options = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_OPTIONS.items()]
     return [sys.executable, str(Path(__file__).parent / "padded_serve.py"), "serve",
-            str(folder), "--port", str(port), "--engine-core", engine_core, *options]
+            str(folder), "--port", str(port), *options, *serve_options]
 
 
 async def served_rows(folder: Path, prompts: list[list[int]], args: argparse.Namespace,
@@ -77,9 +78,10 @@ async def served_rows(folder: Path, prompts: list[list[int]], args: argparse.Nam
 
     port = free_port()
     with log.open("wb") as out:
-        server = subprocess.Popen(server_command(folder, port, args.engine_core), stdout=out,
-                                  stderr=out,
-                                  env=os.environ | {STEP_MS_VARIABLE: str(args.step_ms)})
+        server = subprocess.Popen(server_command(folder, port, args.serve_options.split()),
+                                  stdout=out, stderr=out,
+                                  env=os.environ | {STEP_MS_VARIABLE: str(args.step_ms),
+                                                    "OMP_NUM_THREADS": str(args.threads)})
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}",
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -100,10 +102,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=128)
-    parser.add_argument("--engine-core", choices=("process", "thread"), default="process",
-                        help="where the server's engine core steps")
+    parser.add_argument("--serve-options", default="",
+                        help="more tandem serve options, e.g. '--engine-core thread'")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads offline and in the server (OMP_NUM_THREADS)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix="serve_overhead_"))
     save_tiny_model(folder)
     prompts = workload(args)
@@ -121,8 +125,8 @@ def main() -> None:
                       "yes" if ratio >= targets[row["stream"]] else "no",
                       str(row["ttft_p50"] or ""), str(row["ttft_p99"] or "")))
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} "
-          f"generated (EOS ignored), each step padded to {args.step_ms} ms, engine core in "
-          f"a {args.engine_core}")
+          f"generated (EOS ignored), each step padded to {args.step_ms} ms, {args.threads} "
+          f"torch threads, tandem serve {args.serve_options or '(defaults)'}")
     print_table(table)
 
 

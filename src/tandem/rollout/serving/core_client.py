@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
+import os
 import queue
 import signal
 import threading
@@ -124,13 +125,17 @@ class ProcessCore:
 
     Args:
         config: the engine's configuration.
+        api_nice: the niceness ``start`` adds to the calling thread (the event loop's; the
+            threads it starts later inherit it), so that where CPUs are few the core's
+            steps come first.
 
     Raises:
         Exception: what building the engine raised in the core process.
         EngineDeadError: when the core process ended before its engine was built.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, api_nice: int = 0) -> None:
+        self.api_nice = api_nice
         context = mp.get_context("spawn")
         command_reader, self._commands = context.Pipe(duplex=False)
         self._reports, report_writer = context.Pipe(duplex=False)
@@ -156,8 +161,10 @@ class ProcessCore:
         return ready
 
     def start(self, deliver: Emit) -> None:
-        """Start reading the core's messages; ``deliver`` gets each (on the reader thread),
-        and a ``CoreDied`` if the process ends unasked."""
+        """Lower this thread's priority by ``api_nice``, then start reading the core's
+        messages; ``deliver`` gets each (on the reader thread), and a ``CoreDied`` if the
+        process ends unasked."""
+        os.nice(self.api_nice)
         self._reader = threading.Thread(target=self._read, args=(deliver,),
                                         name="tandem-core-reader", daemon=True)
         self._reader.start()
@@ -264,14 +271,18 @@ class _PipeEmit:
                 self.connection.send(message)
 
 
-def open_core(engine: LLMEngine | EngineConfig, engine_core: str) -> ThreadCore | ProcessCore:
+def open_core(engine: LLMEngine | EngineConfig, engine_core: str,
+              api_nice: int = 0) -> ThreadCore | ProcessCore:
     """Where a server's engine core runs: on a thread around a given engine; for a
-    configuration, in a process of its own (``engine_core`` "process") or on a thread
-    around an engine built here ("thread").
+    configuration, in a process of its own (``engine_core`` "process", this process then
+    ``api_nice`` nicer once it starts) or on a thread around an engine built here
+    ("thread").
 
     Raises:
         Exception: what building the engine raised.
     """
     if isinstance(engine, LLMEngine):
         return ThreadCore(engine)
-    return ProcessCore(engine) if engine_core == "process" else ThreadCore(LLMEngine(engine))
+    if engine_core == "process":
+        return ProcessCore(engine, api_nice)
+    return ThreadCore(LLMEngine(engine))

@@ -57,7 +57,7 @@ class TandemServer:
     """
 
     def __init__(self, engine: LLMEngine | EngineConfig, config: ServerConfig) -> None:
-        core = open_core(engine, config.engine_core)
+        core = open_core(engine, config.engine_core, config.api_nice)
         self.engine = engine = core.engine
         self.config = config
         self.model_name = config.served_model_name or str(engine.config.model)
@@ -75,9 +75,10 @@ class TandemServer:
             self.metrics.weight_sync_seconds)
 
     async def start(self) -> None:
-        """On CPU, leave the engine core's OpenMP team the only one (``release_team`` on
-        this thread, the event loop's, and on the input thread); start the core and pin
-        its threads to ``bound_cpus`` (when there are any: see ``cpu_threads_bind``);
+        """Start the engine core (a core process's server then lowers its priority: see
+        ``api_nice``); on CPU, leave the core's OpenMP team the only one (``release_team``
+        on this thread, the event loop's, and on the input thread); pin the core's threads
+        to ``bound_cpus`` (when there are any: see ``cpu_threads_bind``);
         freeze the objects alive now out of the garbage collector's reach (``gc.freeze``,
         as vLLM's server does: the model's and the libraries' hundreds of thousands,
         traversed by every collection the steps trigger, cost about 5% of a CPU decode
@@ -86,10 +87,10 @@ class TandemServer:
         Raises:
             ValueError, RuntimeError: as ``bind_threads``.
         """
+        self.async_engine.start()
         if self.engine.config.torch_device.type == "cpu":
             release_team()
             await self.async_engine.call_input(release_team)
-        self.async_engine.start()
         if self.bound_cpus is not None:
             await self.async_engine.call_core("bind_threads", self.bound_cpus)
         gc.collect()
