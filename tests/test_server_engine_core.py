@@ -40,18 +40,22 @@ from .test_server import (
 )
 
 CORES = ["thread", "process"]
+LONG_ENGINE_OPTIONS = dict(num_kv_blocks=256, max_model_len=512)
 
 
 @contextmanager
-def running_process_server(folder, **server_options) -> Iterator[tuple[str, object]]:
-    """A server whose engine core has a process of its own, on a free port of 127.0.0.1,
-    in a thread; its address and ``TandemServer``."""
+def running_process_server(folder, engine_options: dict | None = None,
+                           **server_options) -> Iterator[tuple[str, object]]:
+    """A server whose engine core has a process of its own (``engine_options``, default
+    ``ENGINE_OPTIONS``), on a free port of 127.0.0.1, in a thread; its address and
+    ``TandemServer``."""
     config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, engine_core="process",
                           **server_options)
     listener = socket.socket()
     listener.bind((HOST, 0))
-    server = uvicorn_server(EngineConfig(model=str(folder), **ENGINE_OPTIONS), config,
-                            log_level="warning")
+    server = uvicorn_server(EngineConfig(model=str(folder),
+                                         **(engine_options or ENGINE_OPTIONS)),
+                            config, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     while not server.started:
@@ -72,6 +76,13 @@ def served_core(request, llama_dir) -> Iterator[str]:
     else:
         with running_process_server(llama_dir, **LIMITS) as (url, _):
             yield url
+
+
+@pytest.mark.parametrize("name,value", [("engine_core", "gpu"), ("api_nice", 20),
+                                        ("api_nice", -1)])
+def test_server_config_refuses_a_bad_engine_core_option_naming_the_field(name, value):
+    with pytest.raises(ValueError, match=name):
+        ServerConfig(**{name: value})
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +170,8 @@ def wait_until(condition, seconds: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def process_served(llama_dir) -> Iterator[str]:
-    """A core-process server of its own (the tests here pause and abort)."""
-    with running_process_server(llama_dir) as (url, _):
+    """A core-process server of its own (the tests here abort), for long sequences."""
+    with running_process_server(llama_dir, LONG_ENGINE_OPTIONS) as (url, _):
         yield url
 
 
@@ -187,17 +198,14 @@ def test_a_core_process_frees_the_blocks_of_streams_whose_clients_left(process_s
     assert metric(url, "tandem:num_requests_running") == 0
 
 
-def test_a_frozen_stream_past_its_deadline_ends_and_frees_its_blocks(process_served):
+def test_a_stream_past_its_deadline_ends_and_frees_its_blocks(process_served):
     url = process_served
+    # 490 steps take far longer than 0.05 s (a step's host work alone is about 1 ms).
     with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60, json={
-            "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True,
-            "timeout": 1.0}) as stream:
-        lines = filter(None, stream.iter_lines())
-        first = next(lines)
-        assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=AUTH).is_success
-        *_, error, done = [first, *lines]
-    httpx.post(f"{url}/resume", headers=AUTH)
-    assert _event(first)["choices"] and done == "data: [DONE]"
+            "prompt": PROMPTS[0], "max_tokens": 490, "ignore_eos": True, "stream": True,
+            "timeout": 0.05}) as stream:
+        *_, error, done = filter(None, stream.iter_lines())
+    assert done == "data: [DONE]"
     assert _event(error)["error"]["code"] == 504
     wait_until(lambda: kv_blocks_used(url) == 0)
     answer = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=60,
@@ -206,9 +214,9 @@ def test_a_frozen_stream_past_its_deadline_ends_and_frees_its_blocks(process_ser
 
 
 def test_a_dead_core_process_answers_503_and_ends_streams(llama_dir):
-    with running_process_server(llama_dir) as (url, server):
+    with running_process_server(llama_dir, LONG_ENGINE_OPTIONS) as (url, server):
         with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=60, json={
-                "prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True,
+                "prompt": PROMPTS[0], "max_tokens": 490, "ignore_eos": True,
                 "stream": True}) as stream:
             lines = filter(None, stream.iter_lines())
             next(lines)
