@@ -4,7 +4,8 @@ The model is serve_load's tiny random Llama (2 layers, 64 wide, a 320-token byte
 Each forward step is padded to ``--step-ms`` (default 6 ms: an H200's decode step of a 0.6B
 model at batch 256) by sleeping, which releases the interpreter lock as a wait for a GPU
 does, so the host's Python around the step (scheduling, sampling, the server's event loop)
-costs what it would beside a GPU.
+costs what it would beside a GPU. The server runs as padded_serve.py, which pads its
+engine core's process too.
 
 The same requests (distinct random prompts of ``--prompt-tokens`` tokens, ``--max-tokens``
 generated, EOS ignored) run offline in one ``LLM.generate`` call, then served by
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import tempfile
@@ -31,28 +33,15 @@ from pathlib import Path
 
 import torch
 from common import print_table
+from padded_serve import STEP_MS_VARIABLE, pad_steps
 from serve_client import free_port, serve_level, wait_healthy
 from serve_load import save_tiny_model
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.model_runner import ModelRunner
 
 # The same engine both ways (the server's own CPU default budget is 1024 tokens a step).
 ENGINE_OPTIONS = {"max_model_len": 512, "num_kv_blocks": 4096, "max_num_seqs": 256,
                   "max_num_batched_tokens": 2048}
-
-
-def pad_steps(step_ms: float) -> None:
-    """Make every forward step of this process take at least ``step_ms`` milliseconds."""
-    run_step = ModelRunner.run_step
-
-    def padded(self, step):
-        start = time.perf_counter()
-        logits = run_step(self, step)
-        time.sleep(max(0.0, step_ms / 1e3 - (time.perf_counter() - start)))
-        return logits
-
-    ModelRunner.run_step = padded
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:
@@ -74,14 +63,12 @@ def offline_tok_s(folder: Path, prompts: list[list[int]], max_tokens: int) -> fl
     return tokens / (time.perf_counter() - start)
 
 
-def server_command(folder: Path, port: int, step_ms: float) -> list[str]:
-    """``tandem serve`` with this process's step padding, on ``port``."""
+def server_command(folder: Path, port: int, serve_options: list[str]) -> list[str]:
+    """``tandem serve`` on ``port`` with ``serve_options``, as padded_serve.py
+    (``STEP_MS_VARIABLE`` pads it)."""
     options = [f"--{name.replace('_', '-')}={value}" for name, value in ENGINE_OPTIONS.items()]
-    argv = ["serve", str(folder), "--port", str(port), *options]
-    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"import serve_overhead; serve_overhead.pad_steps({step_ms}); "
-            f"from tandem.trainers.cli import main; sys.exit(main({argv!r}))")
-    return [sys.executable, "-c", code]
+    return [sys.executable, str(Path(__file__).parent / "padded_serve.py"), "serve",
+            str(folder), "--port", str(port), *options, *serve_options]
 
 
 async def served_rows(folder: Path, prompts: list[list[int]], args: argparse.Namespace,
@@ -91,8 +78,10 @@ async def served_rows(folder: Path, prompts: list[list[int]], args: argparse.Nam
 
     port = free_port()
     with log.open("wb") as out:
-        server = subprocess.Popen(server_command(folder, port, args.step_ms), stdout=out,
-                                  stderr=out)
+        server = subprocess.Popen(server_command(folder, port, args.serve_options.split()),
+                                  stdout=out, stderr=out,
+                                  env=os.environ | {STEP_MS_VARIABLE: str(args.step_ms),
+                                                    "OMP_NUM_THREADS": str(args.threads)})
     try:
         async with aiohttp.ClientSession(f"http://127.0.0.1:{port}",
                                          connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -113,8 +102,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--serve-options", default="",
+                        help="more tandem serve options, e.g. '--engine-core thread'")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads offline and in the server (OMP_NUM_THREADS)")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     folder = Path(tempfile.mkdtemp(prefix="serve_overhead_"))
     save_tiny_model(folder)
     prompts = workload(args)
@@ -132,7 +125,8 @@ def main() -> None:
                       "yes" if ratio >= targets[row["stream"]] else "no",
                       str(row["ttft_p50"] or ""), str(row["ttft_p99"] or "")))
     print(f"{args.requests} requests of {args.prompt_tokens} prompt tokens, {args.max_tokens} "
-          f"generated (EOS ignored), each step padded to {args.step_ms} ms")
+          f"generated (EOS ignored), each step padded to {args.step_ms} ms, {args.threads} "
+          f"torch threads, tandem serve {args.serve_options or '(defaults)'}")
     print_table(table)
 
 

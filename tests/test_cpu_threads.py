@@ -168,6 +168,6 @@ def test_serve_leaves_the_engine_threads_team_the_only_one(llama_dir, monkeypatc
         monkeypatch.setattr(engine, "step", recording_step)
         monkeypatch.setattr(engine, "process_prompt", recording_process_prompt)
         assert completion(url, max_tokens=4).status_code == 200
-        loop = server.async_engine._loop_task.get_loop()
+        loop = server.async_engine.loop
         threads["loop"] = asyncio.run_coroutine_threadsafe(on_loop(), loop).result(30)
     assert threads == {"tandem-engine": torch.get_num_threads(), "tandem-input": 1, "loop": 1}

@@ -74,7 +74,7 @@ def test_non_standard_json_constants_are_refused():
 
 def rendered(stats: dict[str, int]) -> str:
     """The /metrics text of a server whose engine's ``stats()`` are ``stats``."""
-    return ServerMetrics("tiny", 256, lambda: stats).render().decode()
+    return ServerMetrics("tiny", 256).render(stats).decode()
 
 
 def test_the_gauges_are_read_from_the_servers_own_rendering():

@@ -445,7 +445,7 @@ def serve_command(folder, *options: str) -> Iterator[tuple[subprocess.Popen, str
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", str(folder), "--port", str(port),
+        [sys.executable, "-m", "tandem.trainers.cli", "serve", str(folder), "--port", str(port),
          "--num-kv-blocks", "64", *options],
         env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)
@@ -465,9 +465,15 @@ def serve_command(folder, *options: str) -> Iterator[tuple[subprocess.Popen, str
 
 
 def test_tandem_serve_command_answers_on_localhost(llama_dir):
+    # Its engine core has a process of its own (--engine-core process, the default).
     with serve_command(llama_dir, "--max-model-len", "128") as (_, url):
         models = httpx.get(f"{url}/v1/models").json()
-        assert models["data"][0]["id"] == str(llama_dir)
+        answer = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": PROMPTS[1], "max_tokens": 5, "seed": 3, "ignore_eos": True})
+    assert models["data"][0]["id"] == str(llama_dir)
+    expected = LLM(str(llama_dir), num_kv_blocks=64, max_model_len=128).generate(
+        [PROMPTS[1]], SamplingParams(max_tokens=5, seed=3, ignore_eos=True), use_tqdm=False)
+    assert answer.json()["choices"][0]["text"] == expected[0].outputs[0].text
 
 
 @pytest.mark.parametrize("prompts", [[None], [1.5], ["a", None], [[True, False]]])

@@ -12,7 +12,7 @@ import pytest
 
 from tandem.cli import build_parser
 from tandem.cli.arguments import config_from_arguments
-from tandem.rollout.serving import weight_transfer
+from tandem.rollout.serving import engine_core
 from tandem.rollout.serving.allowed_hosts import AllowedHosts
 from tandem.rollout.serving.client import TandemClient
 from tandem.rollout.serving.config import ServerConfig
@@ -74,7 +74,7 @@ def test_serve_takes_the_allowed_hosts_on_its_command_line(llama_dir):
 def test_an_init_naming_a_host_not_allowed_is_refused_before_connecting(llama_dir,
                                                                         monkeypatch):
     joined = []
-    monkeypatch.setattr(weight_transfer, "WeightReceiver", lambda *args: joined.append(args))
+    monkeypatch.setattr(engine_core, "WeightReceiver", lambda *args: joined.append(args))
     with running_server(llama_dir, enable_weight_transfer=True,
                         weight_transfer_allowed_hosts="127.0.0.1,10.0.0.0/8") as (url, _):
         refused = httpx.post(f"{url}/init_weight_transfer_engine", headers=AUTH,

@@ -1,17 +1,17 @@
-"""``AsyncLLMEngine``: the server's asyncio loop around one ``LLMEngine``.
+"""``AsyncLLMEngine``: the server's asyncio side of one ``EngineCore``.
 
-Requests arrive concurrently on the event loop. One engine thread runs every engine call
-(add, abort, step, sleep, ...) in order, so the event loop never blocks on a step and the
-engine never has two callers at once. Prompts are tokenized on a second thread, the input
-thread, so a request that arrives while a step runs is queued before the next step rather
-than behind it, and joins the batch at the next step; an aborted one (its client went away)
-leaves right after the current step, and its blocks go back to the pool. Weight commits
-come from another thread (the weight receiver) and land between steps through the engine's
-lock.
+Requests arrive concurrently on the event loop; the engine core (engine_core.py) runs on a
+thread or in a process of its own (core_client.py) and steps continuously while it has
+work, whatever the event loop is doing. Commands go to the core in order (add, abort, any
+engine method); its messages come back to the event loop in order, through
+``call_soon_threadsafe``: each step's report (finished outputs, new tokens of streamed
+requests, token counts, the scheduler's waiting queue) and each call's answer. Prompts are
+tokenized on the input thread, beside the event loop.
 
-Admission is bounded (admission.py): past ``max_num_waiting`` requests accepted but not yet
-running, or once ``drain`` has begun, a new request is refused and nothing accepted is ever
-dropped. A request with a deadline is aborted when it passes.
+A streamed request's tokens accumulate until its consumer is ready: one that fell behind
+gets one snapshot carrying everything since its last, never one per step. Admission is
+bounded (admission.py); a request past its deadline is aborted; a core process that dies
+fails every request and every later call with ``EngineDeadError`` (503).
 """
 
 from __future__ import annotations
@@ -21,102 +21,104 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .admission import Admission, Deadline, within
+from .core_client import EngineDeadError, ProcessCore, ThreadCore
+from .core_messages import CallResult, CoreCall, CoreDied, StepFailed, StepReport
 from .metrics import ServerMetrics
+from .tracked_request import StreamedOutput, TrackedRequest
 
 PAUSE_MODES = ("abort", "wait", "keep")
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class TrackedRequest:
-    """A request the loop drives: its id, where its outputs go, its latency marks
-    (``scheduled_time``: the start of the first step that scheduled it)."""
-
-    request_id: str
-    outputs: asyncio.Queue
-    stream: bool
-    arrival: float
-    deadline: Deadline | None = None
-    num_output_tokens: int = 0
-    last_token_time: float | None = None
-    scheduled_time: float | None = None
-
-
-@dataclass(slots=True)
-class _StepReport:
-    """What one step did, gathered on the engine thread (``started``: when it began)."""
-
-    started: float
-    finished: list[RequestOutput]
-    waiting: set[str]
-    num_output_tokens: dict[str, int] = field(default_factory=dict)
-    snapshots: dict[str, RequestOutput] = field(default_factory=dict)
-
-
 class AsyncLLMEngine:
-    """Drives an ``LLMEngine`` from asyncio: concurrent requests, streaming, abort, pause.
+    """Drives an ``EngineCore`` from asyncio: concurrent requests, streaming, abort, pause.
 
-    Start the loop with ``start()`` inside a running event loop; ``shutdown()`` stops it.
+    Start it with ``start()`` inside a running event loop; ``shutdown()`` stops it.
 
     Args:
-        engine: the engine it drives (nothing else may call it).
+        core: where the engine core runs (``ThreadCore`` or ``ProcessCore``); its
+            ``engine`` is what the server reads of the engine.
         metrics: the server's counters and histograms, updated as requests go.
         max_num_waiting: most requests accepted but not yet running (None: no bound).
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics,
+    def __init__(self, core: ThreadCore | ProcessCore, metrics: ServerMetrics,
                  max_num_waiting: int | None = None) -> None:
-        self.engine = engine
+        self.core = core
+        self.engine = core.engine
         self.metrics = metrics
         self.admission = Admission(max_num_waiting)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-engine")
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._input_executor = ThreadPoolExecutor(max_workers=1,
                                                   thread_name_prefix="tandem-input")
         self._tracked: dict[str, TrackedRequest] = {}
         self._request_ids = itertools.count()
-        self._frozen = False  # /pause?mode=keep: requests stay, steps stop
-        self._snapshotted: dict[str, int] = {}  # output tokens last streamed, per request
-        self._loop_task: asyncio.Task | None = None
-        self._has_work = asyncio.Event()
+        self._call_ids = itertools.count()
+        self._calls: dict[int, tuple[asyncio.Future, Callable[[Any], None] | None]] = {}
+        self._dead: EngineDeadError | None = None
         self._idle = asyncio.Event()
         self._idle.set()
         self._admitting = asyncio.Event()
         self._admitting.set()
 
     def start(self) -> None:
-        """Start the engine loop on the running event loop."""
-        self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        """Start the core, delivering its messages to the running event loop."""
+        self.loop = asyncio.get_running_loop()
+        self.core.start(self._deliver)
 
     async def shutdown(self) -> None:
-        """Stop the loop, abort what is left and release the engine thread."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        """Abort what is left, stop the core and release the input thread."""
         for request_id in list(self._tracked):
             self.abort(request_id)
-        self._executor.shutdown(wait=True)
+        await asyncio.to_thread(self.core.close)
         self._input_executor.shutdown(wait=True)
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the engine thread, between steps; its result or exception."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+    @property
+    def is_dead(self) -> bool:
+        """True once the core process has died."""
+        return self._dead is not None
+
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run the engine's public method ``method(*args)`` (``stats``, ``sleep``...)
+        between steps; its result or exception.
+
+        Raises:
+            EngineDeadError: when the core process has died.
+        """
+        return await self.call_core("engine_method", method, *args)
+
+    async def call_core(self, method: str, *args: Any, threaded: bool = False,
+                        on_result: Callable[[Any], None] | None = None) -> Any:
+        """Run the ``EngineCore`` method ``method(*args)`` between steps (``threaded``: on
+        a core thread of its own, beside the steps); its result or exception.
+        ``on_result`` sees the result first, in order with the step reports.
+
+        Raises:
+            EngineDeadError: when the core process has died.
+        """
+        future = asyncio.get_running_loop().create_future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = (future, on_result)
+        try:
+            self._send(CoreCall(call_id, method, args, threaded))
+        except BaseException:
+            del self._calls[call_id]
+            raise
+        return await future
 
     async def call_input(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the input thread, while steps run; its result or exception.
+        """Run ``fn(*args)`` on the input thread, beside the event loop and the steps; its
+        result or exception.
 
-        Only for work that reads nothing but the tokenizer and the engine's fixed limits
-        (``LLMEngine.process_prompt``, ``apply_chat_template``). The engine thread's
-        detokenizer reads the same tokenizer at the same time, which a Rust tokenizer
-        allows: it is changed only by settings (truncation, padding) the engine never sets.
-        Waiting for the current step instead would queue the request's ``add`` behind the
-        next one: a whole step later.
+        Only for work that reads nothing but the tokenizer and fixed limits
+        (``process_prompt``, ``apply_chat_template``): a Rust tokenizer allows the
+        concurrent reads of a core thread's detokenizer and the streams' decoding.
         """
         return await asyncio.get_running_loop().run_in_executor(self._input_executor, fn,
                                                                 *args)
@@ -135,7 +137,10 @@ class AsyncLLMEngine:
             ValueError: for any invalid prompt (nothing is queued then).
             EngineAsleepError: while the engine sleeps.
             RequestTimeoutError: when the deadline passes during a pause.
+            EngineDeadError: when the core process has died.
         """
+        if self._dead is not None:  # before a pause's wait: a dead core never resumes
+            raise self._dead
         self.admission.check(len(prompts))
         deadline = Deadline.after(timeout)
         self.admission.num_queued += len(prompts)
@@ -151,50 +156,44 @@ class AsyncLLMEngine:
                    ) -> list[TrackedRequest]:
         request_ids = [f"{prefix}-{next(self._request_ids)}" for _ in prompts]
         arrival = time.monotonic()
-        tracked = [TrackedRequest(r, asyncio.Queue(), stream, arrival, deadline)
-                   for r in request_ids]
-        # Tracked before the engine sees them, so a step that finishes one finds it.
+        tokenizer = self.engine.tokenizer
+        tracked = [TrackedRequest(r, stream, arrival, deadline,
+                                  StreamedOutput(r, p, sp, tokenizer) if stream else None)
+                   for r, p, sp in zip(request_ids, prompts, params)]
+        # Tracked before the core sees them, so a step that finishes one finds it.
         self._tracked.update((t.request_id, t) for t in tracked)
+        self._update_state()
         try:
-            waiting = await self.call(self._add_on_engine, request_ids, prompts, params)
+            await self.call_core("add_requests", request_ids, list(prompts), list(params),
+                                 stream, on_result=self._set_engine_waiting)
         except BaseException:
             for request_id in request_ids:
                 self._untrack(request_id)
+            # Cancelled while the core added them: they leave after the current step.
+            self._send_quietly(CoreCall(None, "abort_requests", (request_ids,)))
             self._update_state()
             raise
-        self._set_engine_waiting(waiting)
-        self._update_state()
         return tracked
 
-    def _add_on_engine(self, request_ids: list[str], prompts: Sequence[ProcessedPrompt],
-                       params: Sequence[SamplingParams]) -> set[str]:
-        self.engine.add_requests(request_ids, prompts, params)
-        return self._waiting_request_ids()
-
-    def _waiting_request_ids(self) -> set[str]:
-        """The requests in the scheduler's waiting queue (a group waits as one sequence;
-        sequences preempted back there count their request once)."""
-        return {seq.request_id for seq in self.engine.scheduler.waiting}
-
-    def _set_engine_waiting(self, waiting: set[str]) -> None:
-        # Those untracked (aborted) while the engine thread counted are no longer ours.
-        self.admission.engine_waiting = {r for r in waiting if r in self._tracked}
-
     async def outputs(self, tracked: TrackedRequest) -> AsyncIterator[RequestOutput]:
-        """The outputs of a queued request: snapshots (``finished`` False) when it streams,
-        then its final output. Leaving early (a closed stream, a cancelled task) aborts it.
+        """The outputs of a queued request: when it streams, snapshots (``finished``
+        False; each carries every token that arrived since the last), then its final
+        output. Leaving early (a closed stream, a cancelled task) aborts it.
 
         Raises:
-            Exception: what the engine raised, when a step failed.
+            Exception: what ended the request (a failed step, a dead core).
         """
         finished = False
         try:
             while not finished:
-                output = await within(tracked.deadline, tracked.outputs.get())
+                await within(tracked.deadline, tracked.ready.wait())
+                tracked.ready.clear()
+                output = tracked.take(self.engine.weight_version)
                 if isinstance(output, BaseException):
                     raise output
-                finished = output.finished
-                yield output
+                if output is not None:
+                    finished = output.finished
+                    yield output
         finally:
             if not finished:
                 self.abort(tracked.request_id)
@@ -216,7 +215,7 @@ class AsyncLLMEngine:
         if self._untrack(request_id) is None:
             return
         self.metrics.aborted_requests.inc()
-        self._executor.submit(self.engine.abort_request, request_id)
+        self._send_quietly(CoreCall(None, "abort_requests", ([request_id],)))
         self._update_state()
 
     async def pause(self, mode: str = "abort") -> None:
@@ -224,7 +223,7 @@ class AsyncLLMEngine:
 
         ``mode`` (vLLM's): ``"abort"`` ends the requests in flight (their outputs so far,
         finish_reason "abort"); ``"wait"`` lets them finish first; ``"keep"`` freezes them
-        where they are, to go on after ``resume``.
+        where they are, to go on after ``resume``. Returns once no step runs.
 
         Raises:
             ValueError: for another mode.
@@ -236,15 +235,14 @@ class AsyncLLMEngine:
         if mode == "abort":
             await self._abort_all()
         elif mode == "keep":
-            self._frozen = True
-            self._update_state()
-        await self._idle.wait() if mode == "wait" else await self.call(_nothing)
+            await self.call_core("set_frozen", True)
+        else:
+            await self._idle.wait()
 
     def resume(self) -> None:
         """Undo ``pause``: admit waiting requests and step again."""
-        self._frozen = False
+        self._send_quietly(CoreCall(None, "set_frozen", (False,)))
         self._admitting.set()
-        self._update_state()
 
     @property
     def is_paused(self) -> bool:
@@ -274,78 +272,84 @@ class AsyncLLMEngine:
 
     async def _abort_all(self) -> None:
         request_ids = list(self._tracked)
-        outputs = await self.call(lambda: [self.engine.abort_request(r) for r in request_ids])
+        outputs = await self.call_core("abort_requests", request_ids)
         for request_id, output in zip(request_ids, outputs):
-            # None: the engine had not seen it yet (its add was still queued); it runs on.
+            # None: it finished in a step whose report is on its way; that output ends it.
             tracked = self._untrack(request_id) if output is not None else None
             if tracked is not None:
                 self.metrics.aborted_requests.inc()
-                tracked.outputs.put_nowait(output)
+                tracked.end(output)
         self._update_state()
 
     def _update_state(self) -> None:
-        if self._tracked and not self._frozen:
-            self._has_work.set()
-        else:
-            self._has_work.clear()
         if self._tracked:
             self._idle.clear()
         else:
             self._idle.set()
 
-    async def _run(self) -> None:
-        step: asyncio.Future | None = None
-        while True:
-            if step is None:
-                await self._has_work.wait()
-                step = self._start_step()
-            try:
-                report = await step
-            except Exception as exc:  # a failed step fails its requests, not the server
-                self._fail_all(exc)
-                step = None
-                continue
-            # The next step runs on the engine thread while this one's outputs go out: the
-            # engine never waits for the event loop's dispatch.
-            step = self._start_step() if self._work_after(report) else None
-            self._dispatch(report)
+    def _send(self, command: CoreCall) -> None:
+        if self._dead is not None:
+            raise self._dead
+        self.core.send(command)
 
-    def _start_step(self) -> asyncio.Future:
-        watched = [(request_id, t.stream) for request_id, t in self._tracked.items()]
-        return asyncio.ensure_future(self.call(self._step, watched))
+    def _send_quietly(self, command: CoreCall) -> None:  # a dead core needs none
+        try:
+            self._send(command)
+        except EngineDeadError:
+            pass
 
-    def _work_after(self, report: _StepReport) -> bool:
-        finished = {output.request_id for output in report.finished}
-        return not self._frozen and any(r not in finished for r in self._tracked)
+    def _deliver(self, message: object) -> None:  # on the core's threads
+        try:
+            self.loop.call_soon_threadsafe(self._receive, message)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
 
-    def _step(self, watched: list[tuple[str, bool]]) -> _StepReport:
-        started = time.monotonic()
-        report = _StepReport(started, self.engine.step(), self._waiting_request_ids())
-        snapshotted, self._snapshotted = self._snapshotted, {}  # the engine thread's own
-        for request_id, stream in watched:
-            num_output_tokens = self.engine.num_output_tokens(request_id)
-            if num_output_tokens is None:
-                continue
-            report.num_output_tokens[request_id] = num_output_tokens
-            self._snapshotted[request_id] = snapshotted.get(request_id, 0)
-            if stream and num_output_tokens > self._snapshotted[request_id]:
-                report.snapshots[request_id] = self.engine.request_output(request_id)
-                self._snapshotted[request_id] = num_output_tokens
-        return report
+    def _receive(self, message: object) -> None:
+        if isinstance(message, StepReport):
+            self.core.observe(message)
+            self._dispatch(message)
+        elif isinstance(message, CallResult):
+            self.core.observe(message)
+            self._answer(message)
+        elif isinstance(message, StepFailed):
+            self._fail(message.error, message.request_ids)
+        elif isinstance(message, CoreDied):
+            self._core_died(message.exitcode)
 
-    def _dispatch(self, report: _StepReport) -> None:
+    def _answer(self, result: CallResult) -> None:
+        future, on_result = self._calls.pop(result.call_id)
+        if result.error is not None:
+            if not future.done():
+                future.set_exception(result.error)
+            return
+        if on_result is not None:
+            on_result(result.value)
+        if not future.done():
+            future.set_result(result.value)
+
+    def _dispatch(self, report: StepReport) -> None:
         now = time.monotonic()
+        if report.waiting is not None:
+            self._set_engine_waiting(report.waiting, report.started)
         for request_id, num_tokens in report.num_output_tokens.items():
             self._count_tokens(request_id, num_tokens, now)
-            if request_id not in report.waiting:
-                self._mark_scheduled(request_id, report.started)
-        for request_id, snapshot in report.snapshots.items():
-            if request_id in self._tracked:
-                self._tracked[request_id].outputs.put_nowait(snapshot)
+        for request_id, deltas in report.deltas.items():
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                tracked.streamed.add(deltas)
+                tracked.ready.set()
         for output in report.finished:
             self._finish(output, report.started, now)
-        self._set_engine_waiting(report.waiting)
         self._update_state()
+
+    def _set_engine_waiting(self, waiting: set[str], started: float | None = None) -> None:
+        """Count the tracked requests among ``waiting``; those that left it since the last
+        count were scheduled by the step that began at ``started``."""
+        if started is not None:
+            for request_id in self.admission.engine_waiting - waiting:
+                self._mark_scheduled(request_id, started)
+        # Those untracked (aborted) since the core counted are no longer ours.
+        self.admission.engine_waiting = {r for r in waiting if r in self._tracked}
 
     def _mark_scheduled(self, request_id: str, started: float) -> None:
         tracked = self._tracked.get(request_id)
@@ -362,7 +366,7 @@ class AsyncLLMEngine:
         scheduled = started if tracked.scheduled_time is None else tracked.scheduled_time
         self.metrics.request_finished(scheduled - tracked.arrival, now - tracked.arrival,
                                       len(output.prompt_token_ids), num_tokens)
-        tracked.outputs.put_nowait(output)
+        tracked.end(output)
 
     def _count_tokens(self, request_id: str, num_tokens: int, now: float) -> None:
         tracked = self._tracked.get(request_id)
@@ -376,11 +380,20 @@ class AsyncLLMEngine:
         tracked.num_output_tokens = num_tokens
         tracked.last_token_time = now
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            tracked.outputs.put_nowait(exc)
-            self.abort(request_id)
+    def _fail(self, error: BaseException, request_ids: Sequence[str]) -> None:
+        # The core already aborted them.
+        for request_id in request_ids:
+            tracked = self._untrack(request_id)
+            if tracked is not None:
+                self.metrics.aborted_requests.inc()
+                tracked.end(error)
+        self._update_state()
 
-
-def _nothing() -> None:
-    """An engine-thread call that returns once the current step has ended."""
+    def _core_died(self, exitcode: int | None) -> None:
+        self._dead = EngineDeadError(f"the engine core process died (exit code {exitcode}): "
+                                     "this server can serve nothing more; restart it.")
+        for future, _ in self._calls.values():
+            if not future.done():
+                future.set_exception(self._dead)
+        self._calls.clear()
+        self._fail(self._dead, list(self._tracked))

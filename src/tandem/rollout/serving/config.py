@@ -9,6 +9,8 @@ from tandem.kernels.cpu_threads import parse_cpu_list
 
 from .allowed_hosts import LOOPBACK_HOSTS, AllowedHosts
 
+ENGINE_CORES = ("process", "thread")
+
 
 @dataclass(slots=True)
 class ServerConfig:
@@ -62,6 +64,15 @@ class ServerConfig:
         "threads as CPUs or physical cores (else none), a list such as '0-3' or '0,2' to "
         "those (one per thread), 'none' leaves them to the scheduler (better where other "
         "busy processes share the cores at the same priority).")})
+    engine_core: str = field(default="process", metadata={"help": (
+        "where the engine core steps, when the server builds the engine: 'process' (its own "
+        "process, as vLLM V1's: the server's HTTP, detokenizing and JSON never hold the "
+        "interpreter lock a step needs) or 'thread' (a thread of the server's process).")})
+    api_nice: int = field(default=10, metadata={"help": (
+        "with --engine-core process, the niceness the server's own process adds to itself "
+        "once the core process started (0-19; 0: none): where CPUs are few, the core's steps "
+        "then come before the server's HTTP, detokenizing and JSON, and streams that fall "
+        "behind get bigger chunks instead of slowing the engine. No effect on idle CPUs.")})
     shutdown_timeout: float = field(default=20.0, metadata={"help": (
         "on SIGTERM, seconds the running requests get to finish while new ones are refused; "
         "what is left is then aborted (finish_reason abort) and the server exits 0. 20 so "
@@ -93,6 +104,12 @@ class ServerConfig:
             except ValueError as exc:
                 raise ValueError(f"cpu_threads_bind={self.cpu_threads_bind!r} is invalid: "
                                  f"use 'auto', 'none' or a CPU list; {exc}") from exc
+        if self.engine_core not in ENGINE_CORES:
+            raise ValueError(f"engine_core={self.engine_core!r} is invalid: use one of "
+                             f"{', '.join(ENGINE_CORES)}.")
+        if not isinstance(self.api_nice, int) or not 0 <= self.api_nice <= 19:
+            raise ValueError(f"api_nice={self.api_nice!r} is invalid: it must be an integer "
+                             "in [0, 19].")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: it must be "
                              ">= 0 seconds (0 aborts the running requests at once).")

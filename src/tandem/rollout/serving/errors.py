@@ -4,9 +4,9 @@
 passed); ``add_error_handlers`` answers every other exception a route lets out: a body that
 fails validation or a ``ValueError`` is 400, a weight update the engine refuses 400, an
 engine or weight transfer in the wrong state 409, a request refused for now (overload,
-shutdown) 503 (with ``Retry-After`` when retrying helps), a request past its deadline or a
-weight-transfer group that did not form in time 504, anything else 500. ``ErrorResponse``
-is the body's model, for the OpenAPI schema.
+shutdown) or a dead engine core process 503 (with ``Retry-After`` when retrying helps), a
+request past its deadline or a weight-transfer group that did not form in time 504,
+anything else 500. ``ErrorResponse`` is the body's model, for the OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from tandem.sync import WeightUpdateError
 
 from ..errors import EngineAsleepError
 from .admission import RequestTimeoutError, ServerUnavailableError
+from .core_client import EngineDeadError
 from .weight_transfer import WeightTransferStateError, WeightTransferTimeoutError
 
 ERROR_DESCRIPTIONS = {
@@ -32,7 +33,8 @@ ERROR_DESCRIPTIONS = {
     404: "Unknown route, or a model this server does not serve.",
     409: "The engine is asleep, or a weight-transfer call is out of order.",
     413: "The request body is over --max-body-bytes.",
-    503: "Overloaded (--max-num-waiting; see Retry-After) or shutting down.",
+    503: "Overloaded (--max-num-waiting; see Retry-After), shutting down, or the engine core "
+         "process died.",
     504: "The request passed its deadline (--request-timeout or its timeout) and was "
          "aborted, or no trainer's weight-transfer group formed within "
          "--weight-transfer-timeout.",
@@ -86,6 +88,7 @@ def add_error_handlers(app: FastAPI) -> None:
     for state_error in (EngineAsleepError, WeightTransferStateError):
         app.add_exception_handler(state_error, _answering(409, "conflict"))
     app.add_exception_handler(ServerUnavailableError, _unavailable)
+    app.add_exception_handler(EngineDeadError, _answering(503, "service_unavailable"))
     app.add_exception_handler(RequestTimeoutError, _answering(504, "timeout"))
     app.add_exception_handler(WeightTransferTimeoutError, _answering(504, "timeout"))
     app.add_exception_handler(Exception, _internal)
@@ -95,6 +98,8 @@ def stream_error(exc: Exception) -> dict[str, Any]:
     """The error event ending a stream that has begun (vLLM's: the status as the code)."""
     if isinstance(exc, RequestTimeoutError):
         return error_body(str(exc), "timeout", code=504)
+    if isinstance(exc, EngineDeadError):
+        return error_body(str(exc), "service_unavailable", code=503)
     return error_body(str(exc), "internal_server_error", code=500)
 
 

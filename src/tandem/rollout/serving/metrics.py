@@ -8,7 +8,7 @@ tests' do), never the library's global one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -53,22 +53,21 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
 
 
 class EngineCollector:
-    """The engine's ``stats()`` as gauges and counters, read afresh at each collection.
+    """The engine's ``stats()`` as gauges and counters: those given to the last
+    ``ServerMetrics.render``.
 
     Args:
         model_name: the ``model_name`` label of its samples.
-        engine_stats: returns the engine's ``stats()``; called on the collecting thread.
     """
 
-    def __init__(self, model_name: str,
-                 engine_stats: Callable[[], Mapping[str, int | float]]) -> None:
+    def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.engine_stats = engine_stats
+        self.engine_stats: Mapping[str, int | float] = {}
 
     def collect(self) -> Iterator[Metric]:
         """One family per ``ENGINE_METRICS`` row, then the KV-cache use and the prefix-cache
         hit rate derived from them."""
-        stats = self.engine_stats()
+        stats = self.engine_stats
         for key, name, family, help_text in ENGINE_METRICS:
             yield self._family(family, name, help_text, stats[key])
         yield self._family(GaugeMetricFamily, "kv_cache_usage_perc",
@@ -96,15 +95,14 @@ class ServerMetrics:
     Args:
         model_name: the ``model_name`` label of every sample.
         max_model_len: the largest bound of the per-request token histograms.
-        engine_stats: returns the engine's ``stats()`` (``render`` calls it).
     """
 
-    def __init__(self, model_name: str, max_model_len: int,
-                 engine_stats: Callable[[], Mapping[str, int | float]]) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         tokens = token_buckets(max_model_len)
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(model_name, engine_stats))
+        self.engine_collector = EngineCollector(model_name)
+        self.registry.register(self.engine_collector)
         self.generation_tokens = self._add(Counter, "generation_tokens", "Tokens generated.")
         self.aborted_requests = self._add(Counter, "aborted_requests",
                                           "Requests aborted (client gone, /pause).")
@@ -141,11 +139,10 @@ class ServerMetrics:
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
 
-    def render(self) -> bytes:
-        """Every metric in Prometheus' text format (``prometheus_client.CONTENT_TYPE_LATEST``).
-
-        It calls ``engine_stats``: call it where the engine may be called.
-        """
+    def render(self, engine_stats: Mapping[str, int | float]) -> bytes:
+        """Every metric in Prometheus' text format (``prometheus_client.CONTENT_TYPE_LATEST``),
+        the engine's from ``engine_stats`` (its ``stats()``)."""
+        self.engine_collector.engine_stats = engine_stats
         return generate_latest(self.registry)
 
     def _add(self, metric: type[T], name: str, help_text: str, **options: object) -> T:

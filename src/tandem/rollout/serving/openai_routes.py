@@ -10,6 +10,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..input_processor import Prompt
+from .core_client import EngineDeadError
 from .errors import APIError, error_responses
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import TandemServer
@@ -37,6 +38,8 @@ def openai_routes(server: TandemServer) -> APIRouter:
 
     @router.get("/health")
     async def health() -> dict[str, str]:
+        if server.async_engine.is_dead:
+            raise EngineDeadError("the engine core process died: restart this server.")
         return {"status": "ok"}
 
     @router.get("/v1/models")
@@ -75,8 +78,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
 
     @router.get("/metrics", response_class=PrometheusResponse)
     async def metrics() -> PrometheusResponse:
-        # On the engine thread: rendering reads the engine's stats().
-        return PrometheusResponse(await server.async_engine.call(server.metrics.render))
+        return PrometheusResponse(server.metrics.render(await server.async_engine.call("stats")))
 
     return router
 

@@ -47,18 +47,18 @@ def _sleep_routes(server: TandemServer) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
-        await async_engine.call(engine.reset_prefix_cache)
+        await async_engine.call("reset_prefix_cache")
         return {}
 
     @router.post("/sleep")
     async def sleep(level: Annotated[int, Query(ge=1, le=2, description=(
             "1 frees the KV pool, 2 also moves the weights to CPU."))] = 1) -> dict[str, Any]:
-        await async_engine.call(engine.sleep, level)
+        await async_engine.call("sleep", level)
         return {}
 
     @router.post("/wake_up")
     async def wake_up(request: Request) -> dict[str, Any]:
-        await async_engine.call(engine.wake_up, request.query_params.getlist("tags") or None)
+        await async_engine.call("wake_up", request.query_params.getlist("tags") or None)
         return {}
 
     @router.get("/is_sleeping")

@@ -26,6 +26,7 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from ..config import EngineConfig
 from ..engine import LLMEngine
 from .async_engine import AsyncLLMEngine
 from .config import ServerConfig
@@ -41,8 +42,14 @@ from .weight_transfer_routes import weight_transfer_routes
 SHUTDOWN_MARGIN_SECONDS = 5.0
 
 
-def build_app(engine: LLMEngine, config: ServerConfig) -> FastAPI:
-    """The FastAPI application serving ``engine`` (start with uvicorn, or ``serve``)."""
+def build_app(engine: LLMEngine | EngineConfig, config: ServerConfig) -> FastAPI:
+    """The FastAPI application serving ``engine``: an engine, stepped by a core on a thread
+    of this process, or the configuration of one its core builds (in a process of its own
+    unless ``config.engine_core`` is "thread"). Start it with uvicorn, or ``serve``.
+
+    Raises:
+        Exception: what building the engine raised.
+    """
     server = TandemServer(engine, config)
 
     @asynccontextmanager
@@ -90,7 +97,7 @@ class DrainingServer(uvicorn.Server):
             drain.cancel()
 
 
-def uvicorn_server(engine: LLMEngine, config: ServerConfig,
+def uvicorn_server(engine: LLMEngine | EngineConfig, config: ServerConfig,
                    log_level: str = "info") -> DrainingServer:
     """The uvicorn server of ``build_app(engine, config)`` on ``config.host:config.port``,
     draining on shutdown (start it with ``run()``, or ``run(sockets=...)``)."""
@@ -102,7 +109,7 @@ def uvicorn_server(engine: LLMEngine, config: ServerConfig,
                           config.shutdown_timeout)
 
 
-def serve(engine: LLMEngine, config: ServerConfig) -> None:
+def serve(engine: LLMEngine | EngineConfig, config: ServerConfig) -> None:
     """Serve ``engine`` on ``config.host:config.port`` until SIGTERM or Ctrl-C, then shut
     down gracefully (``DrainingServer``) and return."""
     with _sigterm_returns():

@@ -18,8 +18,9 @@ import torch
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tandem.kernels.cpu_threads import bind_threads, cpus_to_bind, release_team
+from tandem.kernels.cpu_threads import cpus_to_bind, release_team
 
+from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
 from ..outputs import RequestOutput
@@ -27,6 +28,7 @@ from ..sampling_params import SamplingParams
 from ..tool_calls import ToolCallParser
 from .async_engine import AsyncLLMEngine, TrackedRequest
 from .config import ServerConfig
+from .core_client import open_core
 from .errors import APIError, stream_error
 from .metrics import ServerMetrics
 from .protocol import SamplingRequest
@@ -41,52 +43,61 @@ class TandemServer:
     """The routes' shared state: the engine and its loop, limits, response builder, weight
     transfer.
 
+    ``engine`` is what the routes read of the engine: the ``LLMEngine`` itself when the
+    core runs on a thread, its ``EngineMirror`` when the core has a process of its own.
+
     Args:
-        engine: the engine to serve (this server drives it, through ``async_engine``, the
-            loop that runs every call to it; nothing else should).
+        engine: the engine to serve, driven by a core on a thread of this process (this
+            server drives it, through ``async_engine``; nothing else should), or the
+            configuration of one to build, where ``config.engine_core`` says.
         config: listening, safety and limits.
+
+    Raises:
+        Exception: what building the engine raised.
     """
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | EngineConfig, config: ServerConfig) -> None:
+        core = open_core(engine, config.engine_core, config.api_nice)
+        self.engine = engine = core.engine
         self.config = config
         self.model_name = config.served_model_name or str(engine.config.model)
         self.max_prompt_tokens = config.max_prompt_tokens or engine.max_model_len - 1
-        self.metrics = ServerMetrics(self.model_name, engine.max_model_len, engine.stats)
+        self.metrics = ServerMetrics(self.model_name, engine.max_model_len)
         self.async_engine = AsyncLLMEngine(
-            engine, self.metrics,
+            core, self.metrics,
             config.max_num_waiting or WAITING_PER_SEQ * engine.config.max_num_seqs)
         binds = engine.config.torch_device.type == "cpu" or config.cpu_threads_bind != "auto"
         self.bound_cpus = (cpus_to_bind(config.cpu_threads_bind, torch.get_num_threads())
                            if binds else None)
         self.responses = ResponseBuilder(engine.tokenizer, self.model_name)
         self.weight_transfer = WeightTransfer(
-            engine, timedelta(seconds=config.weight_transfer_timeout),
+            self.async_engine, timedelta(seconds=config.weight_transfer_timeout),
             self.metrics.weight_sync_seconds)
 
     async def start(self) -> None:
-        """On CPU, leave the engine thread's OpenMP team the only one (``release_team`` on
-        this thread, the event loop's, and on the input thread); pin its threads to
-        ``bound_cpus`` (when there are any: see ``cpu_threads_bind``); freeze the objects
-        alive now out of the garbage collector's reach (``gc.freeze``, as vLLM's server
-        does: the model's and the libraries' hundreds of thousands, traversed by every
-        collection the steps trigger, cost about 5% of a CPU decode step); then start the
-        engine loop.
+        """Start the engine core (a core process's server then lowers its priority: see
+        ``api_nice``); on CPU, leave the core's OpenMP team the only one (``release_team``
+        on this thread, the event loop's, and on the input thread); pin the core's threads
+        to ``bound_cpus`` (when there are any: see ``cpu_threads_bind``);
+        freeze the objects alive now out of the garbage collector's reach (``gc.freeze``,
+        as vLLM's server does: the model's and the libraries' hundreds of thousands,
+        traversed by every collection the steps trigger, cost about 5% of a CPU decode
+        step; a core process freezes its own).
 
         Raises:
             ValueError, RuntimeError: as ``bind_threads``.
         """
+        self.async_engine.start()
         if self.engine.config.torch_device.type == "cpu":
             release_team()
             await self.async_engine.call_input(release_team)
         if self.bound_cpus is not None:
-            await self.async_engine.call(bind_threads, self.bound_cpus)
+            await self.async_engine.call_core("bind_threads", self.bound_cpus)
         gc.collect()
         gc.freeze()
-        self.async_engine.start()
 
     async def shutdown(self) -> None:
-        """Stop the engine loop (``AsyncLLMEngine.shutdown``) and give the objects ``start``
+        """Stop the engine core (``AsyncLLMEngine.shutdown``) and give the objects ``start``
         froze back to the garbage collector."""
         await self.async_engine.shutdown()
         gc.unfreeze()

@@ -9,8 +9,10 @@ vLLM's four phases map onto ``tandem.sync.distributed`` like this:
   checking it carries the announced names, dtypes and shapes; may repeat.
 - ``finish``: close the update; returns the weight version now served.
 
-Each received update commits between two steps while generation goes on; every completion
-reports the weight versions it was sampled under.
+The receiver lives beside the engine, in the engine core (a process of its own, or a
+thread of this one): its join and each receive run there as threaded core calls, so each
+received update commits between two steps (through the engine's lock) while generation
+goes on; every completion reports the weight versions it was sampled under.
 """
 
 from __future__ import annotations
@@ -18,13 +20,12 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
 from prometheus_client import Histogram
 
-from tandem.sync import WeightReceiver
-
-from ..engine import LLMEngine
+if TYPE_CHECKING:
+    from .async_engine import AsyncLLMEngine
 
 
 class WeightTransferStateError(RuntimeError):
@@ -36,19 +37,21 @@ class WeightTransferTimeoutError(RuntimeError):
 
 
 class WeightTransfer:
-    """One engine's weight-transfer state: its receiver and the update now open.
+    """One engine's weight-transfer state: whether its core's receiver joined a group, and
+    the update now open.
 
     Args:
-        engine: the engine whose weights the updates replace.
+        async_engine: drives the engine core whose receiver it runs.
         timeout: the longest wait of any step of the group (joining, each update).
         sync_seconds: where each received update's duration is recorded.
     """
 
-    def __init__(self, engine: LLMEngine, timeout: timedelta, sync_seconds: Histogram) -> None:
-        self.engine = engine
+    def __init__(self, async_engine: AsyncLLMEngine, timeout: timedelta,
+                 sync_seconds: Histogram) -> None:
+        self.async_engine = async_engine
         self.timeout = timeout
         self.sync_seconds = sync_seconds
-        self.receiver: WeightReceiver | None = None
+        self.joined = False
         self.update_open = False
         self._busy = asyncio.Lock()
 
@@ -63,15 +66,16 @@ class WeightTransfer:
                 (nothing is kept: a later init starts afresh).
         """
         async with self._exclusive():
-            self.receiver = None
+            self.joined = False
             self.update_open = False
             try:
-                self.receiver = await asyncio.to_thread(
-                    WeightReceiver, self.engine, master_address, master_port, world_size,
-                    rank_offset, None, self.timeout)
-            except dist.DistError as exc:  # the store unreachable, or a rank missing
+                await self.async_engine.call_core(
+                    "join_weight_group", master_address, master_port, world_size,
+                    rank_offset, self.timeout, threaded=True)
+            except TimeoutError as exc:  # the store unreachable, or a rank missing
                 raise WeightTransferTimeoutError(self._no_group(master_address, master_port,
                                                                 exc)) from exc
+            self.joined = True
 
     def _no_group(self, master_address: str, master_port: int, exc: Exception) -> str:
         cause = str(exc).partition("\n")[0].rstrip(".")  # drop a C++ stack trace
@@ -103,7 +107,8 @@ class WeightTransfer:
         self._check_open()
         async with self._exclusive():
             start = time.perf_counter()
-            version = await asyncio.to_thread(self.receiver.receive, self.timeout, expected)
+            version = await self.async_engine.call_core("receive_weights", self.timeout,
+                                                        expected, threaded=True)
             self.sync_seconds.observe(time.perf_counter() - start)
             return version
 
@@ -115,10 +120,10 @@ class WeightTransfer:
         """
         self._check_open()
         self.update_open = False
-        return self.engine.weight_version
+        return self.async_engine.engine.weight_version
 
     def _check_ready(self) -> None:
-        if self.receiver is None:
+        if not self.joined:
             raise WeightTransferStateError("weight transfer is not initialised: call "
                                            "/init_weight_transfer_engine first.")
 

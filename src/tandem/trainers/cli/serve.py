@@ -30,7 +30,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Run ``tandem serve``: load the engine, then serve it until interrupted; returns 0.
+    """Run ``tandem serve``: start the engine (in its core's process, unless
+    ``--engine-core thread``), then serve it until interrupted; returns 0.
 
     Raises:
         ValueError: without the ``serve`` extra, or for an invalid option.
@@ -40,10 +41,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as error:
         raise ValueError(f"tandem serve needs the serve extra: pip install "
                          f"'tandem-rollout[serve]' ({error}).") from error
-    from tandem.rollout import LLMEngine
-
-    engine = LLMEngine(engine_config(args))
-    serve_engine(engine, config_from_arguments(ServerConfig, args))
+    serve_engine(engine_config(args), config_from_arguments(ServerConfig, args))
     return 0
 
 
