@@ -5,7 +5,11 @@ Each forward step is padded to ``--step-ms`` (default 6 ms: an H200's decode ste
 model at batch 256) by sleeping, which releases the interpreter lock as a wait for a GPU
 does, so the host's Python around the step (scheduling, sampling, the server's event loop)
 costs what it would beside a GPU. The server runs as padded_serve.py, which pads its
-engine core's process too.
+engine core's process too. One torch thread by default (``--threads``): a GPU engine
+computes nothing on the host, while the tiny model's own compute on two threads keeps an
+OpenMP team spinning on the second core between its parallel regions, a core that a GPU
+engine would leave to the server's HTTP and to the client (both ways, offline and served,
+run with the same threads).
 
 The same requests (distinct random prompts of ``--prompt-tokens`` tokens, ``--max-tokens``
 generated, EOS ignored) run offline in one ``LLM.generate`` call, then served by
@@ -104,7 +108,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--serve-options", default="",
                         help="more tandem serve options, e.g. '--engine-core thread'")
-    parser.add_argument("--threads", type=int, default=2,
+    parser.add_argument("--threads", type=int, default=1,
                         help="torch threads offline and in the server (OMP_NUM_THREADS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
