@@ -102,6 +102,37 @@ def test_weight_update_from_trainer_process_while_clients_generate(llama_dir, tm
     assert engine.weight_version == 1
 
 
+def test_weight_update_reaches_an_engine_core_in_its_own_process(llama_dir, tmp_path):
+    """``tandem serve``'s default: the receiver runs in the core's process, and a pushed
+    update (and a refused one) behaves as with the core on a thread."""
+    from tests.test_server_engine_core import running_process_server
+
+    context = mp.get_context("spawn")
+    with running_process_server(llama_dir, enable_weight_transfer=True) as (url, _):
+        client = TandemClient(url, api_key=API_KEY)
+        conn, child_conn = context.Pipe()
+        trainer = context.Process(target=trainer_process, args=(url, str(llama_dir),
+                                                                child_conn), daemon=True)
+        trainer.start()
+        try:
+            assert answer(conn) == "joined"
+            conn.send("update")
+            assert answer(conn) == 1
+            after = client.generate(PROMPTS, GREEDY)
+            conn.send("nan")
+            refusal = answer(conn)
+            still = client.generate(PROMPTS, GREEDY)
+            conn.send("stop")
+        finally:
+            trainer.join(30)
+            trainer.kill()
+    expected = fresh_completions(trainer_model(llama_dir, seed=1), llama_dir, tmp_path)
+    assert [o.outputs[0].token_ids for o in after] == expected
+    assert all(o.weight_version == 1 for o in after)
+    assert refusal.startswith("refused: ") and "NaN" in refusal
+    assert [o.outputs[0].token_ids for o in still] == expected  # the refused one left none
+
+
 def generate_until(client: TandemClient, stop: threading.Event, versions: list) -> None:
     """Sample groups until ``stop``; record each completion's weight versions."""
     while not stop.is_set():
