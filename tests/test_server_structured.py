@@ -73,6 +73,22 @@ def test_every_output_validates_against_its_schema(served, how, chat, stream):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_output_validates_with_the_engine_core_in_its_own_process(llama_dir, stream):
+    """``tandem serve``'s default core: the grammar is compiled and masks applied in the
+    core's process, the text assembled in the server's."""
+    from .test_server_engine_core import running_process_server
+
+    with running_process_server(llama_dir, dict(num_kv_blocks=256, max_model_len=512)) as (
+            url, _):
+        outputs = texts_of(create(url, True, stream, structured_outputs={"json": SCHEMA}),
+                           stream, True)
+    assert len(outputs) == 4
+    for text, finish_reason in outputs:
+        assert finish_reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
 def test_json_object_regex_and_choice(served):
     url, _ = served
     objects = texts_of(create(url, True, False, response_format={"type": "json_object"},

@@ -51,6 +51,19 @@ def test_a_tool_call_is_answered_as_tool_calls(served):
     assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
 
 
+def test_a_tool_call_comes_from_an_engine_core_in_its_own_process(tool_model_dir):
+    from .test_server_engine_core import running_process_server
+
+    with running_process_server(tool_model_dir, ENGINE_OPTIONS) as (url, _):
+        choice = ask((url, None), FIRST_TURN).choices[0]
+        answer = ask((url, None), SECOND_TURN).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "multiply"
+    assert json.loads(call.function.arguments) == {"a": 3, "b": 4}
+    assert answer.finish_reason == "stop" and answer.message.content == ANSWER
+
+
 def test_a_streamed_tool_call_comes_as_tool_call_deltas(served):
     contents, calls, finish_reasons = [], {}, []
     for chunk in ask(served, FIRST_TURN, stream=True):
