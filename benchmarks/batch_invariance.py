@@ -25,6 +25,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from common import print_table, setup_torch
 from torch import nn
 
-from tandem.kernels import cpu_linear
+from tandem.kernels import AttentionMetadata, cpu_linear
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -89,12 +90,43 @@ def kernel_table(args: argparse.Namespace, dtype: torch.dtype) -> list[tuple[str
     return table
 
 
-def engine_rows(dtype: str) -> list[tuple[str, ...]]:
+def attention_as_decodes(paged_attention: Callable) -> Callable:
+    """``paged_attention`` with every prefill token attended as a decode of its own (its
+    sequence's block table, its position's context): the decode kernel's reduction order
+    for every query (``--exact``, an experiment for issue 40)."""
+    def run(query, k_cache, v_cache, metadata, scale):
+        starts = metadata.cu_seqlens_q
+        lengths = starts[1:] - starts[:-1]
+        seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        first = (metadata.context_lens - lengths)[seq_of]
+        positions = torch.arange(query.shape[0]) - starts[:-1][seq_of] + first
+        expanded = AttentionMetadata(
+            metadata.slot_mapping, metadata.block_tables[seq_of], positions + 1,
+            torch.arange(query.shape[0] + 1), num_decodes=query.shape[0])
+        return paged_attention(query, k_cache, v_cache, expanded, scale)
+    return run
+
+
+def make_exact(llm) -> None:
+    """The experiment of ``--exact``: every projection through the panels, every query
+    through the decode kernel."""
+    runner = llm.engine.runner
+    runner.model.pack_linear_weights("panels")
+    ops = dataclasses.replace(runner.ops,
+                              paged_attention=attention_as_decodes(runner.ops.paged_attention))
+    for layer in runner.model.attention_layers():
+        layer.ops = ops
+
+
+def engine_rows(dtype: str, exact: bool = False) -> list[tuple[str, ...]]:
     """The embedded model's seeded completion alone, in a batch of 8, and rescored by
-    prefill: how many of its log-probs are bitwise equal, and the largest gap."""
+    prefill: how many of its log-probs are bitwise equal, and the largest gap (``exact``:
+    after ``make_exact``)."""
     from tandem.rollout import LLM, SamplingParams
 
     llm = LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=512)
+    if exact:
+        make_exact(llm)
     prompt = llm.get_tokenizer().encode("Write a short poem about the sea.")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -115,7 +147,8 @@ def engine_rows(dtype: str) -> list[tuple[str, ...]]:
         return (name, dtype, f"{same_tokens}/{len(alone.token_ids)}", f"{equal}/{len(pairs)}",
                 f"{gap:.1e}")
 
-    return [("engine", "dtype", "same tokens", "bitwise log-probs", "largest gap"),
+    name = "engine, exact experiment" if exact else "engine"
+    return [(name, "dtype", "same tokens", "bitwise log-probs", "largest gap"),
             compare("in a batch of 8", batch.token_ids, batch.logprobs),
             compare("prefill rescoring", alone.token_ids, rescored)]
 
@@ -129,6 +162,9 @@ def main() -> None:
                         help="the LM head's shape (151,936 outputs) instead of a projection's")
     parser.add_argument("--engine", action="store_true",
                         help="also the embedded model's engine end to end")
+    parser.add_argument("--exact", action="store_true",
+                        help="with --engine: the panels for every projection and the decode "
+                             "kernel for every query (an experiment)")
     args = parser.parse_args()
     setup_torch()
     dtype = getattr(torch, args.dtype)
@@ -136,7 +172,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads): '=' bitwise, else the largest difference")
     print_table(kernel_table(args, dtype))
     if args.engine:
-        print_table(engine_rows(args.dtype))
+        print_table(engine_rows(args.dtype, args.exact))
 
 
 if __name__ == "__main__":
