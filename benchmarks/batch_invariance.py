@@ -20,12 +20,14 @@ Run::
 
     python benchmarks/batch_invariance.py
     python benchmarks/batch_invariance.py --engine --dtype bfloat16
+    python benchmarks/batch_invariance.py --engine --exact --cost
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import time
 from collections.abc import Callable
 
 import torch
@@ -153,6 +155,35 @@ def engine_rows(dtype: str, exact: bool = False) -> list[tuple[str, ...]]:
             compare("prefill rescoring", alone.token_ids, rescored)]
 
 
+def exact_cost_rows(dtype: str) -> list[tuple[str, ...]]:
+    """Prefill and decode tok/s of the embedded model as timed (its layout) and with
+    ``make_exact``: 16 prompts of 400 tokens, then 64 decode steps each."""
+    from tandem.rollout import LLM, SamplingParams
+
+    prompts = [[(7 * i + j) % 5000 + 10 for j in range(400)] for i in range(16)]
+    rows = [("engine", "layout", "prefill tok/s", "decode tok/s", "of as timed")]
+    timed_rates = None
+    for exact in (False, True):
+        llm = LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=1024)
+        if exact:
+            make_exact(llm)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        seconds = []
+        for max_tokens in (1, 65):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+            seconds.append(time.perf_counter() - start)
+        rates = (len(prompts) * 400 / seconds[0], len(prompts) * 64 / (seconds[1] - seconds[0]))
+        timed_rates = timed_rates or rates
+        rows.append(("exact experiment" if exact else "as timed",
+                     str(llm.engine.runner.model.linear_layout), f"{rates[0]:.0f}",
+                     f"{rates[1]:.0f}", " / ".join(f"{r / t:.2f}x"
+                                                   for r, t in zip(rates, timed_rates))))
+    return rows
+
+
 def main() -> None:
     """Print the kernels' table (and with ``--engine`` the engine's)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -165,6 +196,9 @@ def main() -> None:
     parser.add_argument("--exact", action="store_true",
                         help="with --engine: the panels for every projection and the decode "
                              "kernel for every query (an experiment)")
+    parser.add_argument("--cost", action="store_true",
+                        help="the exact experiment's prefill and decode tok/s against the "
+                             "engine as timed")
     args = parser.parse_args()
     setup_torch()
     dtype = getattr(torch, args.dtype)
@@ -173,6 +207,8 @@ def main() -> None:
     print_table(kernel_table(args, dtype))
     if args.engine:
         print_table(engine_rows(args.dtype, args.exact))
+    if args.cost:
+        print_table(exact_cost_rows(args.dtype))
 
 
 if __name__ == "__main__":
