@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -70,16 +72,28 @@ def test_generate_returns_what_llm_generate_returns(llama_dir):
             assert a.weight_versions == (0, 0)
 
 
-def test_weight_update_from_trainer_process_while_clients_generate(llama_dir, tmp_path):
+@contextmanager
+def joined_trainer(url: str, folder) -> Iterator[Connection]:
+    """A ``trainer_process`` that has joined the server's weight transfer: its pipe (sent
+    "stop" and joined on exit)."""
     context = mp.get_context("spawn")
+    conn, child_conn = context.Pipe()
+    trainer = context.Process(target=trainer_process, args=(url, str(folder), child_conn),
+                              daemon=True)
+    trainer.start()
+    try:
+        assert answer(conn) == "joined"
+        yield conn
+        conn.send("stop")
+    finally:
+        trainer.join(30)
+        trainer.kill()
+
+
+def test_weight_update_from_trainer_process_while_clients_generate(llama_dir, tmp_path):
     with running_server(llama_dir, enable_weight_transfer=True) as (url, engine):
         client = TandemClient(url, api_key=API_KEY)
-        conn, child_conn = context.Pipe()
-        trainer = context.Process(target=trainer_process, args=(url, str(llama_dir),
-                                                                child_conn), daemon=True)
-        trainer.start()
-        try:
-            assert answer(conn) == "joined"
+        with joined_trainer(url, llama_dir) as conn:
             versions, stop = [], threading.Event()
             generating = threading.Thread(target=lambda: generate_until(client, stop, versions))
             generating.start()
@@ -90,10 +104,6 @@ def test_weight_update_from_trainer_process_while_clients_generate(llama_dir, tm
             after = client.generate(PROMPTS, GREEDY)
             conn.send("nan")
             refusal = answer(conn)
-            conn.send("stop")
-        finally:
-            trainer.join(30)
-            trainer.kill()
     assert versions and versions == sorted(versions)
     assert all(o.weight_version == 1 and o.outputs[0].weight_versions == (1, 1) for o in after)
     assert [o.outputs[0].token_ids for o in after] == fresh_completions(
@@ -107,25 +117,15 @@ def test_weight_update_reaches_an_engine_core_in_its_own_process(llama_dir, tmp_
     update (and a refused one) behaves as with the core on a thread."""
     from tests.test_server_engine_core import running_process_server
 
-    context = mp.get_context("spawn")
     with running_process_server(llama_dir, enable_weight_transfer=True) as (url, _):
         client = TandemClient(url, api_key=API_KEY)
-        conn, child_conn = context.Pipe()
-        trainer = context.Process(target=trainer_process, args=(url, str(llama_dir),
-                                                                child_conn), daemon=True)
-        trainer.start()
-        try:
-            assert answer(conn) == "joined"
+        with joined_trainer(url, llama_dir) as conn:
             conn.send("update")
             assert answer(conn) == 1
             after = client.generate(PROMPTS, GREEDY)
             conn.send("nan")
             refusal = answer(conn)
             still = client.generate(PROMPTS, GREEDY)
-            conn.send("stop")
-        finally:
-            trainer.join(30)
-            trainer.kill()
     expected = fresh_completions(trainer_model(llama_dir, seed=1), llama_dir, tmp_path)
     assert [o.outputs[0].token_ids for o in after] == expected
     assert all(o.weight_version == 1 for o in after)
