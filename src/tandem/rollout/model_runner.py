@@ -29,7 +29,6 @@ from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
 from .models import build_model
 from .models.llama import LoraLinear, head_dim_of
-from .outputs import SamplerOutput
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
 from .scheduled_batch import ScheduledBatch
@@ -282,10 +281,6 @@ class ModelRunner:
     def _move_rotary(self, device: torch.device | str) -> None:
         rotary = self.model.model.rotary_emb
         rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
-
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Run ``batch``'s step and wait for its samples (``launch``, then its result)."""
-        return self.launch(batch).result()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, after_unread: bool = False) -> HostCopy:
