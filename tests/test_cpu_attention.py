@@ -1,12 +1,15 @@
 """The compiled CPU decode attention against attention from its definition in float64, on
-the inputs the engine gives it: strided query views, a head-major pool, long contexts."""
+the inputs the engine gives it: strided query views, a head-major pool, long contexts; and
+against itself: a token's bits do not depend on how its step computes it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tandem.kernels import cpu_attention
+from tandem.kernels import AttentionMetadata, cpu_attention
 from tandem.kernels.testing import TOLERANCE, relative_error
 
 from .test_attention import float64_attention, head_major, paged_batch
@@ -69,3 +72,66 @@ def test_half_precision_and_mixed_dtypes_take_the_reference():
     reference = float64_attention(query, k_cache, v_cache, metadata, 0.125)
     assert relative_error(out, reference) < TOLERANCE[torch.float16]
     assert not cpu_attention.supports(query.float(), k_cache)
+
+
+def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125):
+    """The attention of one sequence's query tokens (``query`` ``[L, heads, head_dim]``, its
+    keys in ``k_cache`` by ``block_table``), run as ``steps``: a list of steps, each a list
+    of ``(first, count)`` chunks of that sequence's tokens (count 1 after the first chunk of
+    a step is a decode only when it comes first), each chunk with random decodes of other
+    contexts beside it. Returns the ``[L, heads, head_dim]`` outputs, each token's from the
+    step that computed it."""
+    out = torch.empty_like(query)
+    for first, count, decode in steps:
+        others = 3
+        tables = torch.stack([block_table] * (others + 1))
+        lens = [first + count] + [1 + (7 * i + first) % len(query) for i in range(others)]
+        other_queries = query.new_ones(others, *query.shape[1:])
+        queries = torch.cat([query[first:first + count], other_queries])
+        if decode:  # this token and the others all decodes
+            order = list(range(others + 1))
+            starts = torch.arange(others + 2)
+            num_decodes = others + 1
+        else:  # the others as decodes first, then this chunk as a prefill
+            order = [*range(1, others + 1), 0]
+            queries = torch.cat([other_queries, query[first:first + count]])
+            starts = torch.tensor([0, *range(1, others + 1), others + count])
+            num_decodes = others
+        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long), tables[order],
+                                     torch.tensor(lens)[order], starts, num_decodes,
+                                     max_query_len=count)
+        result = cpu_attention.paged_attention(queries, k_cache, v_cache, metadata, scale)
+        out[first:first + count] = result[:count] if decode else result[others:]
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(length=st.integers(1, 90), cuts=st.lists(st.integers(1, 89), max_size=4),
+       decoded_tail=st.integers(0, 12), bf16=st.booleans(),
+       shape=st.sampled_from([(3, 3, 64), (2, 1, 40), (1, 8, 128)]))
+def test_a_token_has_the_same_bits_decoded_or_prefilled_in_any_chunk(length, cuts,
+                                                                      decoded_tail, bf16,
+                                                                      shape):
+    # Exact log-probs rest on this: a token's attention is bitwise the same whether its
+    # step decodes it, prefills it inside one prompt-long chunk, or inside any chunk after
+    # a cached prefix, whatever sequences share the step. Mutating either kernel's
+    # reduction order (the decode's dot product, a tile's score or value sums) fails it.
+    num_kv_heads, group, head_dim = shape
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    generator = torch.Generator().manual_seed(length)
+    num_blocks = (length + 15) // 16 + 2
+    k_cache, v_cache = (torch.randn(num_blocks, 16, num_kv_heads, head_dim,
+                                    generator=generator).to(dtype) for _ in range(2))
+    query = torch.randn(length, num_kv_heads * group, head_dim, generator=generator).to(dtype)
+    block_table = torch.randperm(num_blocks, generator=generator)
+    whole = attend_positions(query, k_cache, v_cache, block_table, [(0, length, False)])
+    bounds = sorted({0, *(c for c in cuts if c < length), length})
+    prefill_end = max(1, length - decoded_tail)
+    chunks = [(a, min(b, prefill_end) - a, False) for a, b in zip(bounds, bounds[1:])
+              if a < prefill_end]
+    decodes = [(t, 1, True) for t in range(prefill_end, length)]
+    chunked = attend_positions(query, k_cache, v_cache, block_table, chunks + decodes)
+    every_decode = attend_positions(query, k_cache, v_cache, block_table,
+                                    [(t, 1, True) for t in range(length)])
+    assert torch.equal(chunked, whole)
+    assert torch.equal(every_decode, whole)

@@ -5,11 +5,12 @@
  *
  * Built and loaded by cpu_build.py (gcc -O3 -march=native -ffast-math -fopenmp). Its
  * OpenMP runtime is the one torch already loaded (same soname), so the threads are torch's.
- * A decode task is one (sequence, KV head): its query heads' scores against every context
- * token, then the softmax-weighted sum of the values. A prefill task is one (sequence, KV
- * head, tile of query tokens): the scores of the tile's rows (its tokens times the KV
- * head's query heads) against TILE_KEYS keys at a time, transposed so that vectors hold a
- * row's scores, then the same softmax and sum, in register blocks of ROW_BLOCK rows.
+ * A prefill task is one (sequence, KV head, tile of query tokens): the scores of the
+ * tile's rows (its tokens times the KV head's query heads) against TILE_KEYS keys at a
+ * time, transposed so that vectors hold a row's scores, then the softmax and the weighted
+ * sum of the values, in register blocks of ROW_BLOCK rows. A decode task is one (sequence,
+ * KV head) run as a tile of one token, so that a token's attention has the same bits
+ * whether it was decoded or prefilled, and whatever the chunk around it.
  * Element strides throughout; a row's head_dim values are contiguous.
  */
 #include <math.h>
@@ -55,14 +56,6 @@ static inline const float *row_at(const void *base, int64_t index, int32_t bf16,
     for (int64_t d = 0; d < head_dim; d++)
         scratch[d] = bf16_to_float(row[d]);
     return scratch;
-}
-
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; i++)
-        sum += a[i] * b[i];
-    return sum;
 }
 
 /* The element offset in the pool of each of `seq`'s first `context_len` tokens' rows. */
@@ -111,6 +104,13 @@ static void store_output(const struct attention_args *a, int64_t token, int64_t 
 #define KEY_VECTORS 3
 #define TILE_KEYS (KEY_VECTORS * LANES)
 #define ROW_BLOCK 4
+/* Vector sums a weighted-values block holds in registers (of the 16 AVX2 has, 32 AVX-512):
+ * ROW_BLOCK rows times 3 vectors, or fewer rows (a decode's query heads) times more. */
+#ifdef __AVX512F__
+#define VALUE_SUMS 24
+#else
+#define VALUE_SUMS 12
+#endif
 #define MAX_TILE_ROWS 64 /* query rows (tokens times query heads) a prefill task holds */
 
 typedef float vfloat __attribute__((vector_size(LANES * 4)));
@@ -176,157 +176,133 @@ static void softmax_rows(float *scores, int64_t group, int64_t context_len) {
     }
 }
 
-static void attend(const struct attention_args *a, int64_t seq, int64_t kv_head, float *scores,
-                   int64_t *rows) {
-    const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
-    const int64_t context_len = a->context_lens[seq];
-    float queries[MAX_GROUP][MAX_HEAD_DIM], sums[MAX_GROUP][MAX_HEAD_DIM];
-    float scratch[MAX_HEAD_DIM];
-    for (int64_t g = 0; g < group; g++) /* only the rows used: the arrays are 32 KiB each */
-        memset(sums[g], 0, head_dim * sizeof(float));
-    if (context_len <= 0) { /* nothing to attend: zeros, as the Triton kernel writes */
-        for (int64_t g = 0; g < group; g++)
-            store_output(a, seq, kv_head * group + g, sums[g]);
-        return;
-    }
-    for (int64_t g = 0; g < group; g++)
-        load_query(a, seq, kv_head * group + g, queries[g]);
-    token_rows(a, seq, kv_head, context_len, rows);
-    for (int64_t t = 0; t < context_len; t++) {
-        const float *key = row_at(a->k_cache, rows[t], a->bf16, head_dim, scratch);
-        for (int64_t g = 0; g < group; g++)
-            scores[g * context_len + t] = dot(queries[g], key, head_dim);
-    }
-    softmax_rows(scores, group, context_len);
-    for (int64_t t = 0; t < context_len; t++) {
-        const float *value = row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch);
-        for (int64_t g = 0; g < group; g++) {
-            const float p = scores[g * context_len + t];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++)
-                sums[g][d] += p * value[d];
-        }
-    }
-    for (int64_t g = 0; g < group; g++)
-        store_output(a, seq, kv_head * group + g, sums[g]);
-}
-
-/* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each, over `num_threads` threads.
- * Returns 0, or -1 when its scratch memory could not be allocated (no output written then
- * for some tasks). */
-int32_t tandem_decode_attention(const struct attention_args *a, int64_t num_seqs,
-                                int32_t num_threads) {
-    int64_t longest = 1;
-    for (int64_t s = 0; s < num_seqs; s++)
-        longest = a->context_lens[s] > longest ? a->context_lens[s] : longest;
-    const int64_t group = a->num_heads / a->num_kv_heads;
-    const int64_t num_tasks = num_seqs * a->num_kv_heads;
-    int32_t status = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * group * longest);
-        int64_t *rows = malloc(sizeof(int64_t) * longest);
-        if (scores == NULL || rows == NULL) {
-#pragma omp atomic write
-            status = -1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++)
-            if (scores != NULL && rows != NULL)
-                attend(a, task / a->num_kv_heads, task % a->num_kv_heads, scores, rows);
-        free(scores);
-        free(rows);
-    }
-    return status;
-}
-
-
 /* The query tokens of one prefill task: at most MAX_TILE_ROWS rows of `group` heads each. */
 static int64_t tile_tokens(int64_t group) {
     return group >= MAX_TILE_ROWS ? 1 : MAX_TILE_ROWS / group;
 }
 
+/* The scores of `count` rows from r0 (a constant once inlined, at most ROW_BLOCK) against
+ * the TILE_KEYS transposed keys of `keys`, held in registers: per element of the head,
+ * KEY_VECTORS loads and `count` broadcasts feed count * KEY_VECTORS multiply-adds. Each
+ * score is its products summed in head order, whatever the rows around it. */
+static inline __attribute__((always_inline)) void score_rows(
+        float keys[][TILE_KEYS], float queries[][MAX_HEAD_DIM], int64_t head_dim, int64_t r0,
+        const int count, float *scores, int64_t stride, int64_t t0, int64_t n) {
+    vfloat sums[ROW_BLOCK][KEY_VECTORS] = {{{0}}};
+    for (int64_t d = 0; d < head_dim; d++) {
+        vfloat key[KEY_VECTORS];
+        for (int v = 0; v < KEY_VECTORS; v++)
+            key[v] = load_vector(keys[d] + v * LANES);
+        for (int i = 0; i < count; i++) {
+            const vfloat query = splat(queries[r0 + i][d]);
+            for (int v = 0; v < KEY_VECTORS; v++)
+                sums[i][v] += query * key[v];
+        }
+    }
+    for (int i = 0; i < count; i++)
+        memcpy(scores + (r0 + i) * stride + t0, sums[i], n * sizeof(float));
+}
+
+/* Key `rows[t]` of the pool into column j of the transposed tile, as float32. */
+static inline void transpose_key(const struct attention_args *a, int64_t row,
+                                 float keys[][TILE_KEYS], int64_t j) {
+    if (a->bf16) {
+        const uint16_t *key = (const uint16_t *)a->k_cache + row;
+        for (int64_t d = 0; d < a->head_dim; d++)
+            keys[d][j] = bf16_to_float(key[d]);
+    } else {
+        const float *key = (const float *)a->k_cache + row;
+        for (int64_t d = 0; d < a->head_dim; d++)
+            keys[d][j] = key[d];
+    }
+}
+
 /* scores[r * stride + t] = the tile's row r (scaled query) . key t, for keys [0, num_keys),
- * TILE_KEYS keys at a time through a transposed copy. A block of ROW_BLOCK rows times
- * KEY_VECTORS vectors of keys is held in registers: per element of the head, KEY_VECTORS
- * loads and ROW_BLOCK broadcasts feed ROW_BLOCK * KEY_VECTORS multiply-adds. */
+ * TILE_KEYS keys at a time through a transposed copy, ROW_BLOCK rows at a time, then the
+ * rest (score_rows). */
 static void tile_scores(const struct attention_args *a, const int64_t *rows, int64_t num_keys,
                         int64_t num_rows, float queries[][MAX_HEAD_DIM], float *scores,
                         int64_t stride) {
     const int64_t head_dim = a->head_dim;
-    float keys[MAX_HEAD_DIM][TILE_KEYS], scratch[MAX_HEAD_DIM];
+    float keys[MAX_HEAD_DIM][TILE_KEYS];
     for (int64_t t0 = 0; t0 < num_keys; t0 += TILE_KEYS) {
         const int64_t n = num_keys - t0 < TILE_KEYS ? num_keys - t0 : TILE_KEYS;
-        for (int64_t j = 0; j < TILE_KEYS; j++) {
-            const float *key = row_at(a->k_cache, rows[t0 + (j < n ? j : 0)], a->bf16,
-                                      head_dim, scratch);
-            for (int64_t d = 0; d < head_dim; d++)
-                keys[d][j] = key[d];
-        }
-        for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
-            vfloat sums[ROW_BLOCK][KEY_VECTORS] = {{{0}}};
-            for (int64_t d = 0; d < head_dim; d++) {
-                vfloat key[KEY_VECTORS];
-                for (int v = 0; v < KEY_VECTORS; v++)
-                    key[v] = load_vector(keys[d] + v * LANES);
-                for (int i = 0; i < ROW_BLOCK; i++) {
-                    const vfloat query = splat(queries[r0 + i][d]);
-                    for (int v = 0; v < KEY_VECTORS; v++)
-                        sums[i][v] += query * key[v];
-                }
-            }
-            for (int i = 0; i < ROW_BLOCK; i++)
-                memcpy(scores + (r0 + i) * stride + t0, sums[i], n * sizeof(float));
+        for (int64_t j = 0; j < TILE_KEYS; j++)
+            transpose_key(a, rows[t0 + (j < n ? j : 0)], keys, j);
+        int64_t r0 = 0;
+        for (; r0 + ROW_BLOCK <= num_rows; r0 += ROW_BLOCK)
+            score_rows(keys, queries, head_dim, r0, ROW_BLOCK, scores, stride, t0, n);
+        switch (num_rows - r0) {
+        case 3: score_rows(keys, queries, head_dim, r0, 3, scores, stride, t0, n); break;
+        case 2: score_rows(keys, queries, head_dim, r0, 2, scores, stride, t0, n); break;
+        case 1: score_rows(keys, queries, head_dim, r0, 1, scores, stride, t0, n); break;
         }
     }
 }
 
-/* sums[r][d0 + e] for e < vectors * LANES and the ROW_BLOCK rows from r0: the sum over t
- * of scores[r * stride + t] * value t's element d0 + e, held in registers. */
+/* sums[r][d0 + e] for e < vectors * LANES and the `count` rows from r0 (constants once
+ * inlined): the sum over t of scores[r * stride + t] * value t's element d0 + e, in key
+ * order, held in registers. */
 static inline __attribute__((always_inline)) void weighted_block(
         const struct attention_args *a, const int64_t *rows, int64_t num_keys,
-        const float *scores, int64_t stride, int64_t r0, int64_t d0, const int vectors,
-        float sums[][MAX_HEAD_DIM]) {
+        const float *scores, int64_t stride, int64_t r0, const int count, int64_t d0,
+        const int vectors, float sums[][MAX_HEAD_DIM]) {
     float scratch[MAX_HEAD_DIM];
-    vfloat acc[ROW_BLOCK][KEY_VECTORS] = {{{0}}};
+    vfloat acc[ROW_BLOCK][VALUE_SUMS] = {{{0}}};
     for (int64_t t = 0; t < num_keys; t++) {
         const float *value = row_at(a->v_cache, rows[t], a->bf16, a->head_dim, scratch) + d0;
-        vfloat v[KEY_VECTORS];
+        vfloat v[VALUE_SUMS];
         for (int j = 0; j < vectors; j++)
             v[j] = load_vector(value + j * LANES);
-        for (int i = 0; i < ROW_BLOCK; i++) {
+        for (int i = 0; i < count; i++) {
             const vfloat p = splat(scores[(r0 + i) * stride + t]);
             for (int j = 0; j < vectors; j++)
                 acc[i][j] += p * v[j];
         }
     }
-    for (int i = 0; i < ROW_BLOCK; i++)
+    for (int i = 0; i < count; i++)
         memcpy(sums[r0 + i] + d0, acc[i], vectors * sizeof(vfloat));
 }
 
+/* weighted_block over the `count` rows from r0: VALUE_SUMS / count vectors of elements at
+ * a time (at most the head's), then one vector, then the elements past a multiple of LANES
+ * one by one. */
+static inline __attribute__((always_inline)) void weighted_rows(
+        const struct attention_args *a, const int64_t *rows, int64_t num_keys,
+        const float *scores, int64_t stride, int64_t r0, const int count,
+        float sums[][MAX_HEAD_DIM]) {
+    const int64_t head_dim = a->head_dim, vector_dim = head_dim / LANES * LANES;
+    const int wide = VALUE_SUMS / count;
+    float scratch[MAX_HEAD_DIM];
+    int64_t d0 = 0;
+    for (; d0 + wide * LANES <= head_dim; d0 += wide * LANES)
+        weighted_block(a, rows, num_keys, scores, stride, r0, count, d0, wide, sums);
+    for (; d0 + 4 * LANES <= vector_dim; d0 += 4 * LANES)
+        weighted_block(a, rows, num_keys, scores, stride, r0, count, d0, 4, sums);
+    for (; d0 < vector_dim; d0 += LANES)
+        weighted_block(a, rows, num_keys, scores, stride, r0, count, d0, 1, sums);
+    for (int64_t d = vector_dim; d < head_dim; d++)
+        for (int i = 0; i < count; i++) {
+            float sum = 0.0f;
+            for (int64_t t = 0; t < num_keys; t++)
+                sum += scores[(r0 + i) * stride + t] *
+                       row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch)[d];
+            sums[r0 + i][d] = sum;
+        }
+}
+
 /* sums[r][d] = sum over t of scores[r * stride + t] * value t's element d, ROW_BLOCK rows
- * at a time, KEY_VECTORS vectors of elements at a time, then one vector, then the
- * elements past a multiple of LANES one by one. */
+ * at a time, then the rest. */
 static void weighted_values(const struct attention_args *a, const int64_t *rows,
                             int64_t num_keys, int64_t num_rows, const float *scores,
                             int64_t stride, float sums[][MAX_HEAD_DIM]) {
-    const int64_t head_dim = a->head_dim, vector_dim = head_dim / LANES * LANES;
-    const int64_t wide_dim = head_dim / (KEY_VECTORS * LANES) * (KEY_VECTORS * LANES);
-    float scratch[MAX_HEAD_DIM];
-    for (int64_t r0 = 0; r0 < num_rows; r0 += ROW_BLOCK) {
-        int64_t d0 = 0;
-        for (; d0 < wide_dim; d0 += KEY_VECTORS * LANES)
-            weighted_block(a, rows, num_keys, scores, stride, r0, d0, KEY_VECTORS, sums);
-        for (; d0 < vector_dim; d0 += LANES)
-            weighted_block(a, rows, num_keys, scores, stride, r0, d0, 1, sums);
-        for (int64_t d = vector_dim; d < head_dim; d++)
-            for (int i = 0; i < ROW_BLOCK; i++) {
-                float sum = 0.0f;
-                for (int64_t t = 0; t < num_keys; t++)
-                    sum += scores[(r0 + i) * stride + t] *
-                           row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch)[d];
-                sums[r0 + i][d] = sum;
-            }
+    int64_t r0 = 0;
+    for (; r0 + ROW_BLOCK <= num_rows; r0 += ROW_BLOCK)
+        weighted_rows(a, rows, num_keys, scores, stride, r0, ROW_BLOCK, sums);
+    switch (num_rows - r0) {
+    case 3: weighted_rows(a, rows, num_keys, scores, stride, r0, 3, sums); break;
+    case 2: weighted_rows(a, rows, num_keys, scores, stride, r0, 2, sums); break;
+    case 1: weighted_rows(a, rows, num_keys, scores, stride, r0, 1, sums); break;
     }
 }
 
@@ -340,28 +316,54 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
     /* Token first + i sits at this position: it sees keys [0, position]. */
     const int64_t first_position = a->context_lens[seq] - num_query + first;
     const int64_t num_keys = first_position + count, num_rows = count * group;
-    /* Whole ROW_BLOCKs: the rows past num_rows are zero queries, computed, never stored. */
-    const int64_t padded_rows = (num_rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
-    float queries[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM];
-    float sums[MAX_TILE_ROWS + ROW_BLOCK][MAX_HEAD_DIM];
-    for (int64_t r = 0; r < padded_rows; r++) {
-        if (r < num_rows)
-            load_query(a, start + first + r / group, kv_head * group + r % group, queries[r]);
-        else
-            memset(queries[r], 0, head_dim * sizeof(float));
-    }
+    float queries[MAX_TILE_ROWS][MAX_HEAD_DIM], sums[MAX_TILE_ROWS][MAX_HEAD_DIM];
+    for (int64_t r = 0; r < num_rows; r++)
+        load_query(a, start + first + r / group, kv_head * group + r % group, queries[r]);
     token_rows(a, seq, kv_head, num_keys, rows);
-    tile_scores(a, rows, num_keys, padded_rows, queries, scores, num_keys);
-    for (int64_t r = 0; r < padded_rows; r++) { /* causal: row r sees its first `seen` keys */
-        const int64_t seen = r < num_rows ? first_position + r / group + 1 : 0;
+    tile_scores(a, rows, num_keys, num_rows, queries, scores, num_keys);
+    for (int64_t r = 0; r < num_rows; r++) { /* causal: row r sees its first `seen` keys */
+        const int64_t seen = first_position + r / group + 1;
         float *row = scores + r * num_keys;
-        if (seen)
+        if (seen > 0)
             softmax_rows(row, 1, seen);
         memset(row + seen, 0, (num_keys - seen) * sizeof(float));
     }
-    weighted_values(a, rows, num_keys, padded_rows, scores, num_keys, sums);
+    weighted_values(a, rows, num_keys, num_rows, scores, num_keys, sums);
     for (int64_t r = 0; r < num_rows; r++)
         store_output(a, start + first + r / group, kv_head * group + r % group, sums[r]);
+}
+
+/* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each,
+ * over `num_threads` threads: each is a prefill tile of one token (attend_tile), so a
+ * decode and the same position inside a prefill chunk run the very same arithmetic, in the
+ * same order, and give the same bits (exact log-probs: a token's log-prob never depends on
+ * whether it was decoded or prefilled, nor on the chunk around it).
+ * Returns 0, or -1 when its scratch memory could not be allocated (no output written then
+ * for some tasks). */
+int32_t tandem_decode_attention(const struct attention_args *a, int64_t num_seqs,
+                                int32_t num_threads) {
+    int64_t longest = 1;
+    for (int64_t s = 0; s < num_seqs; s++)
+        longest = a->context_lens[s] > longest ? a->context_lens[s] : longest;
+    const int64_t num_tasks = num_seqs * a->num_kv_heads;
+    int32_t status = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scores = malloc(sizeof(float) * MAX_TILE_ROWS * longest);
+        int64_t *rows = malloc(sizeof(int64_t) * longest);
+        if (scores == NULL || rows == NULL) {
+#pragma omp atomic write
+            status = -1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; task++)
+            if (scores != NULL && rows != NULL)
+                attend_tile(a, task / a->num_kv_heads, task % a->num_kv_heads, 0, 1, scores,
+                            rows);
+        free(scores);
+        free(rows);
+    }
+    return status;
 }
 
 /* Attend the query tokens of sequences [first_seq, num_seqs), each a prefill chunk of its
@@ -385,7 +387,7 @@ int32_t tandem_prefill_attention(const struct attention_args *a, int64_t first_s
     int32_t status = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (MAX_TILE_ROWS + ROW_BLOCK) * longest);
+        float *scores = malloc(sizeof(float) * MAX_TILE_ROWS * longest);
         int64_t *rows = malloc(sizeof(int64_t) * longest);
         if (scores == NULL || rows == NULL) {
 #pragma omp atomic write
