@@ -54,7 +54,11 @@ def _row_stride(x: torch.Tensor) -> int | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``layers.rms_norm``, in one pass per row."""
+    """``layers.rms_norm``, in one pass per row (rows without a uniform stride, such as
+    q/k heads split out of a fused projection, copied contiguous first: every float32 and
+    bfloat16 row goes through this kernel, so its bits never depend on the layout)."""
+    if _row_stride(x) is None and x.stride(-1) == 1:
+        x = x.contiguous()
     x_stride = _row_stride(x)
     residual_stride = 0 if residual is None else _row_stride(residual)
     if (x_stride is None or residual_stride is None or x.dtype not in DTYPES

@@ -26,7 +26,8 @@ class KernelOps:
     """One backend's kernels; every pair of backends shares these signatures.
 
     ``cascade`` says whether ``paged_attention`` uses ``AttentionMetadata.cascade``
-    (the runner builds it only then).
+    (the runner builds it only then). ``causal_attention``, set only by the training kernels
+    (``differentiable.py``), attends each sequence's own keys of the step, with no pool.
     """
 
     name: str
@@ -36,6 +37,7 @@ class KernelOps:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    causal_attention: Callable[..., torch.Tensor] | None = None
 
 
 TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,

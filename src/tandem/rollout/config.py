@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.kernels import check_backend
+from tandem.kernels import check_backend, cpu_build
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -64,6 +64,14 @@ class EngineConfig:
         "tokens a step late (see ``step_overlap.py``). Default (None): on for CUDA, off on "
         "CPU, whose steps do not run apart from the host. Seeded sampling gives the same "
         "tokens either way.")})
+    exact_logprobs: bool | None = field(default=None, metadata={"help": (
+        "batch-invariant kernels, whose bits a trainer's forward pass reproduces: a token's "
+        "log-prob does not depend on the batch, the chunk or the cache around it, and a "
+        "trainer scoring it through ``rollout/exact_forward.py`` gets it bit for bit. On CPU "
+        "every linear layer multiplies through the panels (no timed layout choice) and "
+        "every query runs the decode order. Default (None): on CPU where the C kernels "
+        "build, in float32 or bfloat16; off on CUDA, whose batch-invariant matmul is not "
+        "built yet. Alias updates need it off.")})
     tensor_parallel_size: int = field(default=1, metadata={"help": (
         "ranks one model is split over (vLLM's --tensor-parallel-size): each holds its share "
         "of the heads, the MLP, the vocabulary and the KV pool (a KV budget is per rank). "
@@ -111,6 +119,18 @@ class EngineConfig:
             return self.torch_device.type == "cuda"
         return self.async_scheduling
 
+    def exact(self, dtype: torch.dtype) -> bool:
+        """Whether the engine runs the batch-invariant kernels (``exact_logprobs``) in
+        ``dtype``, the model's.
+
+        Raises:
+            ValueError: when ``exact_logprobs=True`` asks for them where they do not run.
+        """
+        reason = _inexact_reason(self, dtype)
+        if self.exact_logprobs and reason:
+            raise ValueError(f"exact_logprobs=True {reason}; set exact_logprobs=False.")
+        return bool(self.exact_logprobs is not False and not reason)
+
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
         if isinstance(self.dtype, torch.dtype):
@@ -120,6 +140,19 @@ class EngineConfig:
         if self.torch_device.type == "cpu":
             return torch.float32
         return checkpoint_dtype or torch.bfloat16
+
+
+def _inexact_reason(config: EngineConfig, dtype: torch.dtype) -> str | None:
+    """Why the batch-invariant kernels cannot run for ``config`` in ``dtype`` (None: they
+    can)."""
+    if config.torch_device.type != "cpu":
+        return (f"runs on CPU only for now ({config.torch_device.type}: the batch-invariant "
+                "Triton matmul is not built yet)")
+    if config.attention_backend not in ("auto", "cpu") or not cpu_build.available():
+        return "needs the compiled CPU kernels (attention_backend 'auto' or 'cpu', and gcc)"
+    if dtype not in cpu_build.DTYPES:
+        return f"takes float32 or bfloat16, not {dtype}"
+    return None
 
 
 def _positive(config: EngineConfig, *names: str) -> None:

@@ -245,7 +245,14 @@ class LLMEngine:
                       alias: bool = False, copy: bool = True) -> WeightUpdate:
         """Begin a staged weight update (``tandem.sync.WeightUpdate``): ``load`` tensors, then
         ``commit`` or ``abort``; as a context manager it commits, or aborts on an exception.
-        ``copy=False`` stages matching tensors by reference (unchanged until the commit)."""
+        ``copy=False`` stages matching tensors by reference (unchanged until the commit).
+
+        Raises:
+            ValueError: for ``alias`` under ``exact_logprobs``, whose panels are copies."""
+        if alias and self.runner.exact_logprobs:
+            raise ValueError("alias updates serve the trainer's tensors in place, which the "
+                             "batch-invariant panels of exact_logprobs cannot follow: start "
+                             "the engine with exact_logprobs=False to alias, or copy.")
         return WeightUpdate(self, version, full, alias, copy)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

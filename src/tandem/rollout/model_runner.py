@@ -19,6 +19,7 @@ import torch
 from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
+from tandem.kernels.cpu_build import MAX_GROUP, MAX_HEAD_DIM
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
 from .attention_layout import long_tensor
@@ -57,8 +58,9 @@ class ModelRunner:
                  device: torch.device, max_model_len: int, block_size: int,
                  eos_token_ids: set[int], seed: int, attention_backend: str = "auto",
                  enforce_eager: bool = False, max_num_seqs: int = 256,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, exact_logprobs: bool = False) -> None:
         self.device = device
+        self.exact_logprobs = exact_logprobs
         self.dtype = dtype
         self.block_size = block_size
         self.tp = tp or TensorParallel()
@@ -70,7 +72,10 @@ class ModelRunner:
         self.offloadable_weights = releasable_or_none(
             lambda: OffloadableWeights(self.model, device), "weights") \
             if device.type == "cuda" else None
-        if device.type == "cpu" and self.ops.name != "triton":
+        if exact_logprobs:  # the batch-invariant layout, whatever a timing would choose
+            check_exact_shapes(hf_config, self.tp.size)
+            self.model.pack_linear_weights("panels")
+        elif device.type == "cpu" and self.ops.name != "triton":
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
         self.input_batch = InputBatch(block_size, device, self.ops.cascade)
@@ -357,3 +362,14 @@ class ModelRunner:
         """The step's inputs, how many of its logit rows sample, and the prompt positions
         it scores (``InputBatch.prepare``)."""
         return self.input_batch.prepare(batch)
+
+
+def check_exact_shapes(config: PretrainedConfig, tp_size: int) -> None:
+    """Raise ValueError when the compiled attention, the only batch-invariant one, does not
+    take this model's heads (``exact_logprobs`` would silently fall back otherwise)."""
+    num_heads, num_kv_heads = local_heads(config, tp_size)
+    if head_dim_of(config) > MAX_HEAD_DIM or num_heads // num_kv_heads > MAX_GROUP:
+        raise ValueError(f"exact_logprobs: the CPU attention kernel takes heads up to "
+                         f"{MAX_HEAD_DIM} wide in groups up to {MAX_GROUP}, not this model's "
+                         f"({head_dim_of(config)}, {num_heads // num_kv_heads}); set "
+                         "exact_logprobs=False.")

@@ -64,10 +64,11 @@ def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Pa
     args = (hf_config, model_dir, dtype, device, max_model_len, config.block_size,
             eos_token_ids, config.seed, config.attention_backend, config.enforce_eager,
             config.max_num_seqs)
+    exact = config.exact(dtype)
     if size == 1:
-        return ModelRunner(*args)
+        return ModelRunner(*args, exact_logprobs=exact)
     if spmd:
-        return ShardedRunner(*args, tp=spmd_group(size, device))
+        return ShardedRunner(*args, tp=spmd_group(size, device), exact_logprobs=exact)
     threads = max(1, (os.cpu_count() or 1) // size)
     if device.type == "cpu":
         torch.set_num_threads(threads)
@@ -75,8 +76,8 @@ def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Pa
             "device": str(device), "max_model_len": max_model_len,
             "block_size": config.block_size, "attention_backend": config.attention_backend,
             "enforce_eager": config.enforce_eager, "max_num_seqs": config.max_num_seqs,
-            "threads": threads}
-    return DriverRunner(Workers(spec, size, device), *args)
+            "threads": threads, "exact_logprobs": exact}
+    return DriverRunner(Workers(spec, size, device), *args, exact_logprobs=exact)
 
 
 class Workers:
@@ -201,9 +202,9 @@ class DriverRunner(ShardedRunner):
     """Rank 0's runner: each operation that touches the model or the KV pool is sent to the
     workers first, then done here; a failed collective becomes a ``TensorParallelError``."""
 
-    def __init__(self, workers: Workers, *args: Any) -> None:
+    def __init__(self, workers: Workers, *args: Any, **options: Any) -> None:
         self.workers = workers
-        super().__init__(*args, tp=workers.tp)
+        super().__init__(*args, tp=workers.tp, **options)
         weakref.finalize(self, workers.close)
 
     def share_staged(self, staged: dict[str, torch.Tensor]) -> None:

@@ -46,7 +46,8 @@ def serve(args: dict[str, Any]) -> None:
     runner = ModelRunner(AutoConfig.from_pretrained(model_dir), model_dir,
                          DTYPES[args["dtype"]], device, args["max_model_len"],
                          args["block_size"], set(), 0, args["attention_backend"],
-                         args["enforce_eager"], args["max_num_seqs"], tp)
+                         args["enforce_eager"], args["max_num_seqs"], tp,
+                         exact_logprobs=args["exact_logprobs"])
     while True:
         op, payload = tp_wire.receive(group, device)
         if op == "shutdown":

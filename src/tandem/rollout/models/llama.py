@@ -155,8 +155,11 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
-        self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
-        out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
+        if self.ops.causal_attention is not None:  # a trainer's forward: no pool
+            out = self.ops.causal_attention(q, k, v, metadata, self.scale)
+        else:
+            self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
+            out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 

@@ -1,0 +1,148 @@
+"""A trainer's forward pass through the engine's own model code and kernels: exact log-probs.
+
+The engine samples through batch-invariant kernels (``EngineConfig.exact_logprobs``): a
+token's logits have the same bits whatever batch, chunk or cache it was computed in. This
+runs the trainer's parameters (a Hugging Face model, maybe a peft one) through a twin of the
+engine's model, built on the meta device and bound to those parameters at each call
+(``torch.func.functional_call``), whose kernels are the engine's own wrapped for autograd
+(``kernels/differentiable.py``). So the trainer's first forward pass gives every sampled
+token bit for bit the log-prob the engine returned, and its backward gives the gradients
+autograd through transformers gives, within float tolerance.
+
+The trainer's LoRA adapter (peft) is merged into each targeted weight as the engine's merge
+computes it (``LoraFactors.merged``), differentiably. What cannot be exact is refused when
+the forward is built (``ExactForward.check``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from tandem.kernels import AttentionMetadata
+from tandem.kernels.differentiable import TRAINING_OPS, panel_linear
+
+from .models import ARCHITECTURES, architecture_of
+from .models.llama import Linear, LlamaForCausalLM
+from .tensor_parallel import TensorParallel
+
+_LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
+_PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(slots=True)
+class ExactOutput:
+    """What ``completion_logprobs`` reads of a Hugging Face model's output: the kept
+    positions' logits ``[B, keep, V]`` and (asked for) the final hidden states ``[B, keep,
+    H]`` as the last of ``hidden_states``."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class _TwinLinear:
+    """A twin layer's multiply: the panels of whatever weight the layer is bound to."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: Linear) -> None:
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return panel_linear(x, self.layer.weight, self.layer.bias)
+
+
+class ExactForward:
+    """Calls like a Hugging Face causal LM on padded rows (``input_ids``, ``attention_mask``,
+    ``position_ids``, ``logits_to_keep``), through the engine's kernels, differentiable in
+    ``model``'s parameters.
+
+    Args:
+        model: the trainer's model (transformers, maybe wrapped by peft), the engine's
+            architecture, in the engine's dtype.
+        engine_model: the engine's model (its config and rotary tables).
+    """
+
+    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM) -> None:
+        config = engine_model.config
+        spec = ARCHITECTURES[architecture_of(config)]
+        with torch.device("meta"):
+            self.twin = LlamaForCausalLM(config, spec, 1, torch.device("cpu"), TRAINING_OPS,
+                                         TensorParallel())
+        self.twin.model.rotary_emb = engine_model.model.rotary_emb
+        # As transformers' embedding: the padding token's row gets no gradient.
+        pad = getattr(config, "pad_token_id", None)
+        self.twin.model.embed_tokens.padding_idx = pad if pad is not None and \
+            0 <= pad < config.vocab_size else None
+        for module in self.twin.modules():
+            if isinstance(module, Linear):
+                module.packed = _TwinLinear(module)
+        self.model = model
+        self.tied = bool(config.tie_word_embeddings)
+        self.scales = _lora_scales(model)
+        names = {name for name, _ in self.twin.named_parameters()}
+        missing = names - set(self._tensors())
+        if missing:
+            raise ValueError(f"exact_logprobs: the trainer's model lacks the engine's "
+                             f"parameters {sorted(missing)[:4]}: is it the same architecture?")
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        """The trainer's tensors under the twin's names, LoRA adapters merged in as the
+        engine merges them."""
+        tensors, factors = {}, {}
+        for name, param in self.model.named_parameters():
+            name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+            lora = _LORA.match(name)
+            if lora:
+                factors.setdefault(lora[1], {})[lora[2]] = param
+            else:
+                tensors[name] = param
+        for module, pair in factors.items():
+            base = tensors[f"{module}.weight"]
+            merged = base.float() + (pair["B"].float() @ pair["A"].float()) * self.scales[module]
+            tensors[f"{module}.weight"] = merged.to(base.dtype)
+        return tensors
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 position_ids: torch.Tensor, logits_to_keep: int,
+                 output_hidden_states: bool = False, **_: object) -> ExactOutput:
+        """The logits of each row's last ``logits_to_keep`` positions (zeros where a row's
+        tokens end earlier), and the final hidden states there if asked."""
+        real = attention_mask.bool()
+        lengths = real.sum(1)
+        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.empty(0),
+                                     lengths, cu_seqlens, num_decodes=0,
+                                     max_query_len=int(lengths.max()))
+        tensors = self._tensors()
+        inner = {name.removeprefix("model."): t for name, t in tensors.items()
+                 if name.startswith("model.")}
+        hidden = functional_call(self.twin.model, inner, (input_ids[real], position_ids[real],
+                                                          metadata))
+        # Padded column j of row b is its position width - keep + j; the real ones map into
+        # the flat stream, the rest read a zero row.
+        width, first_real = input_ids.shape[1], real.int().argmax(1)
+        columns = torch.arange(width - logits_to_keep, width)
+        flat = cu_seqlens[:-1, None] + columns - first_real[:, None]
+        inside = real.gather(1, columns.expand(len(real), -1))
+        padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
+        kept = padded[torch.where(inside, flat, hidden.shape[0])]
+        head = tensors["model.embed_tokens.weight" if self.tied else "lm_head.weight"]
+        logits = panel_linear(kept, head)
+        return ExactOutput(logits, (kept,) if output_hidden_states else None)
+
+
+def _lora_scales(model: nn.Module) -> dict[str, float]:
+    """Each peft LoRA layer's scale on ``B @ A``, by the twin's name of its module."""
+    scales = {}
+    for name, module in model.named_modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, dict) and scaling:
+            active = getattr(module, "active_adapter", None) or next(iter(scaling))
+            active = active[0] if isinstance(active, list | tuple) else active
+            scales[name.removeprefix(_PEFT_PREFIX)] = float(scaling[active])
+    return scales
