@@ -83,7 +83,7 @@ class ExactForward:
                 module.packed = _TwinLinear(module)
         self.model = model
         self.tied = bool(config.tie_word_embeddings)
-        self.scales = _lora_scales(model)
+        self.lora_layers = _lora_layers(model)
         names = {name for name, _ in self.twin.named_parameters()}
         missing = names - set(self._tensors())
         if missing:
@@ -102,8 +102,11 @@ class ExactForward:
             else:
                 tensors[name] = param
         for module, pair in factors.items():
+            scale = _lora_scale(self.lora_layers[module])
+            if scale is None:  # the adapter disabled (the reference pass)
+                continue
             base = tensors[f"{module}.weight"]
-            merged = base.float() + (pair["B"].float() @ pair["A"].float()) * self.scales[module]
+            merged = base.float() + (pair["B"].float() @ pair["A"].float()) * scale
             tensors[f"{module}.weight"] = merged.to(base.dtype)
         return tensors
 
@@ -136,13 +139,17 @@ class ExactForward:
         return ExactOutput(logits, (kept,) if output_hidden_states else None)
 
 
-def _lora_scales(model: nn.Module) -> dict[str, float]:
-    """Each peft LoRA layer's scale on ``B @ A``, by the twin's name of its module."""
-    scales = {}
-    for name, module in model.named_modules():
-        scaling = getattr(module, "scaling", None)
-        if isinstance(scaling, dict) and scaling:
-            active = getattr(module, "active_adapter", None) or next(iter(scaling))
-            active = active[0] if isinstance(active, list | tuple) else active
-            scales[name.removeprefix(_PEFT_PREFIX)] = float(scaling[active])
-    return scales
+def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """peft's LoRA layers, by the twin's name of their module."""
+    return {name.removeprefix(_PEFT_PREFIX): module for name, module in model.named_modules()
+            if isinstance(getattr(module, "scaling", None), dict)}
+
+
+def _lora_scale(layer: nn.Module) -> float | None:
+    """The scale on ``B @ A`` of ``layer``'s active adapter; None while adapters are
+    disabled."""
+    if getattr(layer, "disable_adapters", False):
+        return None
+    active = layer.active_adapters[0] if getattr(layer, "active_adapters", None) \
+        else next(iter(layer.scaling))
+    return float(layer.scaling[active])

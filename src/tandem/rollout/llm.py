@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
+from .exact_forward import ExactForward
 from .engine import LLMEngine
 from .held import Continuation
 from .input_processor import Prompt
@@ -126,6 +127,16 @@ class LLM:
     def max_model_len(self) -> int:
         """The longest sequence (prompt plus completion) the engine takes."""
         return self.engine.max_model_len
+
+    def exact_forward(self, model: torch.nn.Module) -> ExactForward | None:
+        """A forward pass of ``model`` (the trainer's copy of this engine's model, maybe a
+        peft one) that gives the log-probs this engine samples with, bit for bit
+        (``exact_forward.py``); None when the engine's kernels are not batch-invariant
+        (``exact_logprobs`` off) or it is split over ranks."""
+        runner = self.engine.runner
+        if not runner.exact_logprobs or runner.tp.size > 1:
+            return None
+        return ExactForward(model, runner.model)
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""

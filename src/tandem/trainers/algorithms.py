@@ -83,6 +83,7 @@ def policy_terms(micro: MicroBatch, advantages: torch.Tensor, epsilon_low: float
         "is_ratio_mean": raw[mask].mean(), changed_key: masked_mean(changed, micro.mask),
         "behaviour_kl_k1": kl_k1, "behaviour_kl_k3": kl_k3,
         "sampler_logprob_diff_max": diff.max(), "sampler_logprob_diff_mean": diff.mean(),
+        "sampler_logprob_exact_fraction": (diff == 0).float().mean(),
         "clip_fraction": masked_mean(was_clipped, micro.mask)}
 
 
@@ -161,3 +162,17 @@ class PPO:
         loss = reduce_loss(per_token, micro.mask, "token", micro.num_rows, micro.num_tokens,
                            micro.max_tokens)
         return loss, metrics
+
+
+def combine_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Micro-batch metrics merged: ``*_min`` by min, ``*_max`` by max, the rest by mean."""
+    combined = {}
+    for key in parts[0]:
+        values = torch.stack([part[key].float() for part in parts])
+        if key.endswith("_min"):
+            combined[key] = float(values.min())
+        elif key.endswith("_max"):
+            combined[key] = float(values.max())
+        else:
+            combined[key] = float(values.mean())
+    return combined

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.rollout.exact_forward import ExactForward
 from tandem.rollout.sampler import apply_top_k, apply_top_p
 from tandem.rollout.structured_outputs import Grammar, grammar_bitmasks, unpack_bitmask
 
@@ -210,8 +211,15 @@ class Policy(nn.Module):
         super().__init__()
         self.model = model
         self.value_head = value_head
+        self.exact_forward: ExactForward | None = None  # see use_exact_forward
+
+    def use_exact_forward(self, exact_forward: ExactForward | None) -> None:
+        """Run every forward pass through ``exact_forward`` (``LLM.exact_forward`` of this
+        policy's model: the engine's log-probs bit for bit), or transformers' (None)."""
+        self.exact_forward = exact_forward
 
     def forward(self, batch: TokenBatch, temperature: float
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``completion_logprobs`` of this policy (values too when it has a value head)."""
-        return completion_logprobs(self.model, batch, temperature, self.value_head)
+        return completion_logprobs(self.exact_forward or self.model, batch, temperature,
+                                   self.value_head)

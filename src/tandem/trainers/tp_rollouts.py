@@ -39,9 +39,13 @@ def is_spmd(config: TrainConfig, context: DistributedContext) -> bool:
 
 def engine_options(config: TrainConfig, context: DistributedContext) -> dict[str, Any]:
     """The ``LLM`` arguments of this rank's engine: the recipe's, the trainer's dtype and
-    device, a seed shared by the ranks of one engine, and the SPMD backend when they share."""
+    device, a seed shared by the ranks of one engine, its batch-invariant kernels as the
+    recipe's ``exact_logprobs`` says (off under ``sync_alias``, whose aliased weights they
+    cannot follow), and the SPMD backend when they share."""
+    exact = False if config.sync_alias or config.exact_logprobs is False \
+        else config.exact_logprobs
     options = {"dtype": config.dtype, "seed": config.seed + rollout_rank(config, context),
-               **config.rollout.engine, "device": str(context.device)}
+               "exact_logprobs": exact, **config.rollout.engine, "device": str(context.device)}
     if is_spmd(config, context):
         options["distributed_executor_backend"] = "external_launcher"
     return options

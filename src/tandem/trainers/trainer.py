@@ -23,7 +23,7 @@ from tandem.rollout import LLM
 from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
 
-from .algorithms import GRPO, PPO, MicroBatch
+from .algorithms import GRPO, PPO, MicroBatch, combine_metrics
 from .checkpoints import (
     load_trainer_state,
     prune_checkpoints,
@@ -96,6 +96,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.llm = LLM(str(self.model_dir), **engine_options(config, self.context))
         self.lora_sync = self._build_lora_sync()
+        if not config.exact_conflicts():  # the engine's log-probs bit for bit, where it can
+            self.policy.use_exact_forward(self.llm.exact_forward(self.policy.model))
         self.partial = None  # the collector that carries groups across steps
         if config.rollout.partial.enabled:
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
@@ -289,7 +291,7 @@ class Trainer:
             parts.append(micro_metrics)
         grad_norm = self._optimizer_step()
         return {"loss": float(torch.stack(losses).sum()), "grad_norm": grad_norm,
-                **_combine(parts)}
+                **combine_metrics(parts)}
 
     def _micro_batches(self, num_rows: int) -> list[slice]:
         size = self.config.optim.micro_batch_size
@@ -379,20 +381,6 @@ class Trainer:
         if self.context.is_main:
             prune_checkpoints(self.output_dir, self.config.checkpoint_keep)
         return path
-
-
-def _combine(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-    """Micro-batch metrics merged: ``*_min`` by min, ``*_max`` by max, the rest by mean."""
-    combined = {}
-    for key in parts[0]:
-        values = torch.stack([part[key].float() for part in parts])
-        if key.endswith("_min"):
-            combined[key] = float(values.min())
-        elif key.endswith("_max"):
-            combined[key] = float(values.max())
-        else:
-            combined[key] = float(values.mean())
-    return combined
 
 
 def _barrier(context: Any) -> None:
