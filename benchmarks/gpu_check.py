@@ -147,6 +147,7 @@ def run_section(rec: Recorder, name: str, needs_seconds: float, call: Callable[[
     if rec.seconds_left() < needs_seconds:
         rec.record(name, "skipped", reason=f"under {needs_seconds:.0f} s of budget left")
         return
+    collect()  # engines an earlier section or caller dropped are not this section's
     start, engines_before = time.monotonic(), live_engines()
     try:
         call()

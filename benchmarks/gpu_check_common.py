@@ -173,10 +173,12 @@ def load_hf_model(folder: Path, dtype: torch.dtype, device: torch.device) -> tor
 
 def make_llm(rec: Recorder, folder: Path, **options) -> LLM:
     """An engine on ``folder`` sized for the check: a 0.3 share of the GPU, or 512 KV blocks
-    on CPU, up to 64 sequences a step (fewer graphs to capture); ``options`` override."""
+    on CPU, up to 64 sequences a step (fewer graphs to capture), without the batch-invariant
+    kernels (off on CUDA, which the check measures; the CPU smoke run takes the same path,
+    alias updates included); ``options`` override."""
     sizing = {"num_kv_blocks": 512} if rec.smoke else {"gpu_memory_utilization": 0.3}
     if options.keys() & {"num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization"}:
         sizing = {}
     defaults = dict(device=str(rec.device), max_model_len=512 if rec.smoke else 4096,
-                    max_num_seqs=16 if rec.smoke else 64)
+                    max_num_seqs=16 if rec.smoke else 64, exact_logprobs=False)
     return LLM(str(folder), **(defaults | sizing | options))

@@ -56,7 +56,7 @@ from tandem.sync import LoraSpec, LoraSync, WeightReceiver, WeightSender
 NUM_THREADS = 2
 HOST = "127.0.0.1"
 TIMEOUT = timedelta(minutes=5)
-ENGINE_OPTIONS = dict(max_model_len=256, num_kv_blocks=32)
+ENGINE_OPTIONS = dict(max_model_len=256, num_kv_blocks=32, exact_logprobs=False)  # aliases
 LORA_RANK = 16
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QWEN25_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

@@ -249,11 +249,18 @@ def test_a_new_candidate_or_changed_kernels_are_timed_anew(monkeypatch, tmp_path
 
 
 def test_the_engine_times_the_layouts_on_its_own_layers(llama_dir):
-    llm = LLM(str(llama_dir))
+    llm = LLM(str(llama_dir), exact_logprobs=False)
     model = llm.engine.runner.model
     assert model.linear_layout in cpu_linear.candidate_layouts(torch.float32)
     assert len(packed_weights(llm)) == (4 * model.config.num_hidden_layers + 1  # + LM head
                                         if model.linear_layout in cpu_linear.COPIES else 0)
+
+
+def test_an_exact_engine_takes_the_panels_untimed(llama_dir, monkeypatch):
+    # Exact log-probs: the same seed gives the same bits whatever a timing would choose.
+    monkeypatch.setattr(cpu_linear, "fastest_layout", lambda *a, **k: pytest.fail("timed"))
+    llm = LLM(str(llama_dir))
+    assert llm.engine.runner.exact_logprobs and llm.engine.runner.model.linear_layout == "panels"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -304,7 +311,7 @@ def test_the_packed_lm_head_is_refreshed_by_an_update(llama_dir, dtype):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir, layout):
-    llm, reference = LLM(str(llama_dir)), LLM(str(llama_dir))
+    llm, reference = (LLM(str(llama_dir), exact_logprobs=False) for _ in range(2))
     llm.engine.runner.model.pack_linear_weights(layout)
     completions(llm)
     trainer = trainer_model(llama_dir, seed=4)

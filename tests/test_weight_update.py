@@ -108,9 +108,9 @@ def test_prefix_cache_never_serves_kv_of_older_weights(llama_dir, tmp_path):
 
 
 def test_alias_serves_the_trainers_tensors_as_they_change(llama_dir):
-    llm = LLM(str(llama_dir))
+    llm = LLM(str(llama_dir), exact_logprobs=False)
     trainer = trainer_model(llama_dir, seed=5)
-    reference = LLM(str(llama_dir))
+    reference = LLM(str(llama_dir), exact_logprobs=False)
     llm.update_weights(trainer.state_dict().items(), alias=True)
     with torch.no_grad():
         for param in trainer.parameters():
@@ -121,6 +121,15 @@ def test_alias_serves_the_trainers_tensors_as_they_change(llama_dir):
     half = {k: v.half() for k, v in trainer.state_dict().items()}
     with pytest.raises(WeightUpdateError, match="cannot alias"):
         llm.update_weights(half.items(), alias=True)
+
+
+def test_an_exact_engine_refuses_alias_updates_and_keeps_serving(llama_dir):
+    llm = LLM(str(llama_dir))
+    before = completions(llm)
+    trainer = trainer_model(llama_dir, seed=5)
+    with pytest.raises(ValueError, match="exact_logprobs=False to alias"):
+        llm.update_weights(trainer.state_dict().items(), alias=True)
+    assert llm.weight_version == 0 and completions(llm) == before
 
 
 def test_request_straddling_an_update_records_both_versions(llama_dir):
@@ -228,7 +237,7 @@ def test_an_adapter_served_from_a_sleep_is_captured_on_wake(llama_dir, monkeypat
 @pytest.mark.parametrize("weight_region", [False, True])
 @pytest.mark.parametrize("alias", [False, True])
 def test_update_while_asleep_applies(llama_dir, tmp_path, monkeypatch, alias, weight_region):
-    llm = LLM(str(llama_dir))
+    llm = LLM(str(llama_dir), exact_logprobs=not alias)
     if weight_region:
         with_weight_region(llm)
     trainer = trainer_model(llama_dir, seed=7)

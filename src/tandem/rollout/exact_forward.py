@@ -9,9 +9,9 @@ engine's model, built on the meta device and bound to those parameters at each c
 token bit for bit the log-prob the engine returned, and its backward gives the gradients
 autograd through transformers gives, within float tolerance.
 
-The trainer's LoRA adapter (peft) is merged into each targeted weight as the engine's merge
-computes it (``LoraFactors.merged``), differentiably. What cannot be exact is refused when
-the forward is built (``ExactForward.check``).
+The trainer's LoRA adapter (peft) goes in as the engine serves it: merged into each targeted
+weight as the engine's merge computes it (``LoraFactors.merged``), or added at run time
+through the panels as the engine's ``LoraLinear`` adds it; differentiably either way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from tandem.kernels import AttentionMetadata
 from tandem.kernels.differentiable import TRAINING_OPS, panel_linear
 
 from .models import ARCHITECTURES, architecture_of
-from .models.llama import Linear, LlamaForCausalLM
+from .models.llama import Linear, LlamaForCausalLM, LoraLinear
 from .tensor_parallel import TensorParallel
 
 _LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
@@ -67,7 +67,8 @@ class ExactForward:
         engine_model: the engine's model (its config and rotary tables).
     """
 
-    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM) -> None:
+    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM,
+                 lora_runtime: bool = False) -> None:
         config = engine_model.config
         spec = ARCHITECTURES[architecture_of(config)]
         with torch.device("meta"):
@@ -81,9 +82,13 @@ class ExactForward:
         for module in self.twin.modules():
             if isinstance(module, Linear):
                 module.packed = _TwinLinear(module)
+            if isinstance(module, LoraLinear):
+                module.lora_in_panels = True
         self.model = model
         self.tied = bool(config.tie_word_embeddings)
         self.lora_layers = _lora_layers(model)
+        self.lora_runtime = lora_runtime
+        self.twin_layers = dict(self.twin.named_modules())
         names = {name for name, _ in self.twin.named_parameters()}
         missing = names - set(self._tensors())
         if missing:
@@ -106,6 +111,11 @@ class ExactForward:
             if scale is None:  # the adapter disabled (the reference pass)
                 continue
             base = tensors[f"{module}.weight"]
+            if self.lora_runtime:  # the engine adds x A^T B^T s, its factors in its dtype
+                tensors[f"{module}.lora_a"] = pair["A"].to(base.dtype)
+                tensors[f"{module}.lora_b"] = pair["B"].to(base.dtype)
+                self.twin_layers[module].lora_scale = scale
+                continue
             merged = base.float() + (pair["B"].float() @ pair["A"].float()) * scale
             tensors[f"{module}.weight"] = merged.to(base.dtype)
         return tensors

@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
-from .exact_forward import ExactForward
 from .engine import LLMEngine
+from .exact_forward import ExactForward
 from .held import Continuation
 from .input_processor import Prompt
 from .outputs import RequestOutput
@@ -128,15 +128,17 @@ class LLM:
         """The longest sequence (prompt plus completion) the engine takes."""
         return self.engine.max_model_len
 
-    def exact_forward(self, model: torch.nn.Module) -> ExactForward | None:
+    def exact_forward(self, model: torch.nn.Module,
+                      lora_runtime: bool = False) -> ExactForward | None:
         """A forward pass of ``model`` (the trainer's copy of this engine's model, maybe a
         peft one) that gives the log-probs this engine samples with, bit for bit
-        (``exact_forward.py``); None when the engine's kernels are not batch-invariant
+        (``exact_forward.py``); its adapter as this engine gets it, merged, or added at run
+        time with ``lora_runtime``. None when the engine's kernels are not batch-invariant
         (``exact_logprobs`` off) or it is split over ranks."""
         runner = self.engine.runner
         if not runner.exact_logprobs or runner.tp.size > 1:
             return None
-        return ExactForward(model, runner.model)
+        return ExactForward(model, runner.model, lora_runtime)
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""

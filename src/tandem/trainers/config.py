@@ -16,8 +16,9 @@ from typing import Any
 
 import yaml
 
-from tandem.rollout.config import DTYPES, EngineConfig
+from tandem.rollout.config import EngineConfig
 
+from .exact_conflicts import exact_conflicts
 from .loss_config import (
     IMPORTANCE_SAMPLING_MODES,
     GRPOLossConfig,
@@ -218,9 +219,9 @@ class TrainConfig:
             batch-invariant kernels, so its log-probs of the sampled tokens equal the
             engine's bit for bit (``sampler_logprob_diff_max == 0``; see
             ``rollout/exact_forward.py``). None (default): on wherever it can be (the engine
-            on CPU in the trainer's dtype, without ``autocast``, ``sync_alias``, FSDP2,
-            tensor parallelism or ``lora.sync_mode: runtime``); true: refuse to start where it
-            cannot; false: off (the trainer's forward through transformers).
+            on CPU in the trainer's dtype, without ``autocast``, ``sync_alias``, FSDP2 or
+            tensor parallelism); true: refuse to start where it cannot; false: off (the
+            trainer's forward through transformers).
         distributed: ``"ddp"`` or ``"fsdp2"`` under torchrun.
         importance_sampling: the off-policy correction of the loss (both algorithms).
     """
@@ -289,28 +290,12 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown engine option(s) rollout.engine.{', '.join(unknown)}: "
                              f"valid options are {', '.join(engine_fields)}.")
-        conflicts = self.exact_conflicts()
+        conflicts = exact_conflicts(self)
         if self.exact_logprobs and conflicts:
             raise ValueError(f"exact_logprobs: true cannot hold with {', '.join(conflicts)}: "
                              "change those, or set exact_logprobs: false.")
         if not self.optim.lr > 0:
             raise ValueError(f"optim.lr={self.optim.lr!r} is invalid: it must be > 0.")
-
-    def exact_conflicts(self) -> list[str]:
-        """What in this recipe keeps the trainer's log-probs from being the engine's bit for
-        bit (empty: nothing here; the engine must still run its batch-invariant kernels)."""
-        engine = self.rollout.engine
-        conflicts = [name for name, present in [
-            ("autocast", self.autocast is not None), ("sync_alias", self.sync_alias),
-            ("distributed: fsdp2", self.distributed == "fsdp2"),
-            ("lora.sync_mode: runtime", self.lora.enabled and self.lora.sync_mode == "runtime"),
-            ("rollout.engine.tensor_parallel_size > 1",
-             engine.get("tensor_parallel_size", 1) > 1),
-            ("an engine dtype other than the trainer's",
-             DTYPES.get(engine.get("dtype", self.dtype)) != DTYPES[self.dtype]),
-            ("rollout.engine.exact_logprobs: false", engine.get("exact_logprobs") is False),
-        ] if present]
-        return conflicts
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

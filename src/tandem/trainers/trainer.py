@@ -40,6 +40,7 @@ from .data_parallel import (
     set_gradient_sync,
     wrap_policy,
 )
+from .exact_conflicts import exact_conflicts
 from .generation import (
     RolloutBatch,
     engine_round_metrics,
@@ -96,8 +97,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.llm = LLM(str(self.model_dir), **engine_options(config, self.context))
         self.lora_sync = self._build_lora_sync()
-        if not config.exact_conflicts():  # the engine's log-probs bit for bit, where it can
-            self.policy.use_exact_forward(self.llm.exact_forward(self.policy.model))
+        if not exact_conflicts(config):  # the engine's log-probs bit for bit, where it can
+            self.policy.use_exact_forward(self.llm.exact_forward(
+                self.policy.model, config.lora.enabled and config.lora.sync_mode == "runtime"))
         self.partial = None  # the collector that carries groups across steps
         if config.rollout.partial.enabled:
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,

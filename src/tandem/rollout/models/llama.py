@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from tandem.kernels import AttentionMetadata, KernelOps, cpu_linear
 from tandem.kernels.cpu_build import cache_dir
 from tandem.kernels.cpu_linear import PackedWeight
+from tandem.kernels.differentiable import panel_linear
 
 from ..tensor_parallel import TensorParallel, local_heads, shard_range, vocab_per_rank
 from .rotary import RotaryEmbedding
@@ -63,6 +64,7 @@ class LoraLinear(Linear):
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_scale = 0.0
+        self.lora_in_panels = False  # the adapter's products by the panels (batch-invariant)
 
     def set_lora(self, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
         """Serve ``(A [r, in], B [out, r], scale)`` from now on, or no adapter (None)."""
@@ -81,7 +83,8 @@ class LoraLinear(Linear):
         """``out`` (this layer's ``x W^T + b``) plus the adapter's term of ``x``, if any."""
         if self.lora_a is None:
             return out
-        return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.lora_scale
+        product = panel_linear if self.lora_in_panels else F.linear
+        return out + product(product(x, self.lora_a), self.lora_b) * self.lora_scale
 
 
 class FusedProjections:
@@ -310,6 +313,8 @@ class LlamaForCausalLM(nn.Module):
             alone = id(module) not in in_fused
             if module is not self.lm_head:  # tied to the embedding: never re-stored
                 cpu_linear.store_column_major(module.weight, layout == "transposed")
+            if isinstance(module, LoraLinear):
+                module.lora_in_panels = layout == "panels"
             module.packed = PackedWeight([module], layout) if alone and copied else None
         for group in fused:
             group.packed = PackedWeight(group.layers, layout) if copied else None

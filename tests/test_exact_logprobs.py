@@ -1,0 +1,170 @@
+"""Exact log-probs: the trainer's forward through the engine's kernels gives every sampled
+token bit for bit the log-prob the engine returned, whatever the engine's batch, chunks,
+cache, preemptions or adapter; its gradients are transformers' within float tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.trainers.config import TrainConfig
+from tandem.trainers.exact_conflicts import exact_conflicts
+from tandem.trainers.policy import completion_logprobs, sampling_replay, token_batch
+
+from .test_trainer import make_config, target_token  # noqa: F401 - a fixture
+
+DTYPES = ["float32", "bfloat16"]
+PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(3 + 7 * i)] for i in range(6)]
+
+
+def sampled(llm: LLM, params: SamplingParams, prompts=PROMPTS):
+    """Every completion's prompt, tokens, log-probs and kept-set thresholds."""
+    rows = [(prompt, c.token_ids, c.logprobs, c.sampling_thresholds)
+            for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False))
+            for c in out.outputs]
+    return [list(column) for column in zip(*rows)]
+
+
+def trainer_logprobs(model, llm: LLM, prompts, completions, temperature: float):
+    """The trainer's log-probs of the completions through ``LLM.exact_forward``."""
+    batch = token_batch(prompts, completions, 0)
+    logprobs, _, _ = completion_logprobs(llm.exact_forward(model), batch, temperature)
+    return logprobs, batch.completion_mask
+
+
+def assert_exact(logprobs, mask, sampler_logprobs) -> None:
+    width = logprobs.shape[1]
+    expected = torch.tensor([row + [0.0] * (width - len(row)) for row in sampler_logprobs])
+    assert torch.equal(logprobs * mask, expected), (logprobs * mask - expected).abs().max()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_trainer_logprobs_are_the_engines_bit_for_bit(model_dir, kind, dtype):
+    # Chunked prefill (16-token budget), a group of 4 sharing its prompt's blocks
+    # (copy-on-write, prefix-cache hits), a pool small enough to preempt and recompute,
+    # truncated sampling replayed.
+    path = model_dir(kind)
+    llm = LLM(str(path), dtype=dtype, max_model_len=64, max_num_batched_tokens=16,
+              num_kv_blocks=24, block_size=4)
+    params = SamplingParams(temperature=0.9, top_k=20, max_tokens=24, ignore_eos=True, seed=3,
+                            logprobs=0, n=4)
+    prompts, completions, sampler_logprobs, thresholds = sampled(llm, params)
+    assert llm.stats()["preemptions"] > 0 and llm.stats()["prefix_cache_hit_tokens"] > 0
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    batch = token_batch(prompts, completions, 0)
+    batch.replay = sampling_replay(thresholds, completions, None, batch.num_completion_slots,
+                                   20, 1.0, torch.device("cpu"))
+    logprobs, _, differs = completion_logprobs(llm.exact_forward(model), batch, 0.9)
+    assert_exact(logprobs, batch.completion_mask, sampler_logprobs)
+    assert not differs.any()  # the trainer's own top-k set is the engine's
+
+
+def test_gradients_match_autograd_through_transformers(llama_dir):
+    llm = LLM(str(llama_dir), max_model_len=128)
+    prompts, completions, _, _ = sampled(llm, SamplingParams(max_tokens=12, seed=1, n=2))
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+    batch = token_batch(prompts, completions, 0)
+    grads = []
+    for forward in (llm.exact_forward(model), model):
+        model.zero_grad()
+        logprobs, _, _ = completion_logprobs(forward, batch, 0.8)
+        (logprobs * batch.completion_mask).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, exact in grads[0].items():
+        reference = grads[1][name]
+        assert (exact - reference).norm() <= 1e-4 * reference.norm() + 1e-7, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+def test_a_lora_adapter_is_exact_and_disabled_is_the_base(llama_dir, mode, dtype):
+    from peft import LoraConfig, get_peft_model
+
+    from tandem.sync import LoraSync, peft_adapter_state
+
+    llm = LLM(str(llama_dir), max_model_len=128, dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=getattr(torch, dtype))
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    LoraSync(llm, mode=mode).update(*peft_adapter_state(model))
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=2, logprobs=0, n=2)
+    prompts, completions, sampler_logprobs, _ = sampled(llm, params)
+    exact = llm.exact_forward(model, lora_runtime=mode == "runtime")
+    batch = token_batch(prompts, completions, 0)
+    logprobs, _, _ = completion_logprobs(exact, batch, 1.0)
+    assert_exact(logprobs, batch.completion_mask, sampler_logprobs)
+    with model.disable_adapter():
+        off, _, _ = completion_logprobs(exact, batch, 1.0)
+    base_engine = LLM(str(llama_dir), max_model_len=128, dtype=dtype)
+    fresh = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=getattr(torch, dtype))
+    plain, _ = trainer_logprobs(fresh, base_engine, prompts, completions, 1.0)
+    assert torch.equal(off, plain) and not torch.equal(off, logprobs)
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    """Engines of two chunk budgets over one tiny model."""
+    return {budget: LLM(str(llama_dir), max_model_len=128, max_num_batched_tokens=budget,
+                        num_kv_blocks=48, block_size=4) for budget in (8, 64)}
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(budget=st.sampled_from([8, 64]), others=st.lists(st.integers(1, 40), max_size=6),
+       warm=st.booleans(), n=st.integers(1, 3))
+def test_a_rows_bits_never_depend_on_batch_chunks_or_cache(engines, budget, others, warm, n):
+    llm = engines[budget]
+    prompt = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=11, logprobs=0,
+                            ignore_eos=True)
+    llm.reset_prefix_cache()
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    if not warm:
+        llm.reset_prefix_cache()
+    batch = [[(3 * length + j) % 150 + 2 for j in range(length)] for length in others]
+    outputs = llm.generate([*batch, prompt], [SamplingParams(max_tokens=6, n=n)] * len(batch)
+                           + [params], use_tqdm=False)
+    row = outputs[-1].outputs[0]
+    assert row.token_ids == alone.token_ids and row.logprobs == alone.logprobs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grpo_is_exactly_on_policy_at_every_step(llama_dir, tmp_path, target_token,  # noqa: F811
+                                                 dtype):
+    from tandem.trainers.trainer import Trainer
+
+    trainer = Trainer(make_config(llama_dir, tmp_path, target_token, dtype=dtype, steps=3))
+    assert trainer.policy.exact_forward is not None
+    for _ in range(3):
+        metrics = trainer.train_step()
+        assert metrics["sampler_logprob_diff_max"] == 0.0
+        assert metrics["sampler_logprob_exact_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"autocast": "bfloat16"}, "autocast"), ({"sync_alias": True}, "sync_alias"),
+    ({"distributed": "fsdp2"}, "fsdp2"),
+    ({"rollout": {"engine": {"dtype": "bfloat16"}}}, "engine dtype")])
+def test_exact_where_it_cannot_hold_is_refused_at_start(override, named):
+    from tandem.trainers.config import RolloutConfig
+
+    if "rollout" in override:
+        override = {"rollout": RolloutConfig(engine=override["rollout"]["engine"])}
+    with pytest.raises(ValueError, match=f"exact_logprobs: true cannot hold with .*{named}"):
+        TrainConfig(model="x", exact_logprobs=True, **override)
+    conflicts = exact_conflicts(TrainConfig(model="x", **override))
+    assert named.split(":")[0].split()[0] in " ".join(conflicts)
+
+
+def test_an_explicit_request_where_the_kernels_cannot_run_names_the_fix(llama_dir):
+    with pytest.raises(ValueError, match="exact_logprobs=True .*set exact_logprobs=False"):
+        LLM(str(llama_dir), exact_logprobs=True, attention_backend="torch")
+    assert LLM(str(llama_dir), attention_backend="torch").exact_forward(None) is None
