@@ -168,3 +168,37 @@ def test_an_explicit_request_where_the_kernels_cannot_run_names_the_fix(llama_di
     with pytest.raises(ValueError, match="exact_logprobs=True .*set exact_logprobs=False"):
         LLM(str(llama_dir), exact_logprobs=True, attention_backend="torch")
     assert LLM(str(llama_dir), attention_backend="torch").exact_forward(None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_triton_matmul_gives_a_row_the_same_bits_in_any_batch(dtype):
+    # In Triton's interpreter (the kernel a GPU runs, on numpy): K and N not multiples of
+    # the tiles, M across tile boundaries; accurate against float64 too.
+    from tandem.kernels import triton_linear
+    from tandem.kernels.testing import TOLERANCE, relative_error
+
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 80, generator=generator).to(dtype)
+    bias = torch.randn(40, generator=generator).to(dtype)
+    rows = torch.randn(70, 80, generator=generator).to(dtype)
+    alone = triton_linear.linear(rows[:1], weight, bias)
+    for count in (2, 33, 65, 70):
+        assert torch.equal(triton_linear.linear(rows[:count], weight, bias)[:1], alone)
+    reference = rows.double() @ weight.double().t() + bias.double()
+    assert relative_error(triton_linear.linear(rows, weight, bias), reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_triton_kernels_are_exact_in_the_interpreter(llama_dir, dtype):
+    # The CUDA path (Triton: every linear through the fixed-tile matmul, every query through
+    # the prefill kernel) run by the interpreter, chunked prefill and a copy-on-write group.
+    llm = LLM(str(llama_dir), dtype=dtype, max_model_len=64, attention_backend="triton",
+              exact_logprobs=True, max_num_batched_tokens=16, block_size=4, num_kv_blocks=64)
+    assert llm.engine.runner.model.linear_layout == "triton (batch-invariant)"
+    prompts = [[3 + i, 5, 7 + i, 9, 11][: 2 + i] for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=1, logprobs=0, n=2,
+                            ignore_eos=True)
+    prompts, completions, sampler_logprobs, _ = sampled(llm, params, prompts)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=getattr(torch, dtype))
+    logprobs, mask = trainer_logprobs(model, llm, prompts, completions, 1.0)
+    assert_exact(logprobs, mask, sampler_logprobs)

@@ -3,9 +3,10 @@ kernel ahead of time for sm_80 and sm_90 and write the results as JSON.
 
 The launches compiled are the launchers' own. For each model geometry one engine step (norms,
 rotary, ``store_kv``, decode and prefill attention, the split decode and its merge,
-``silu_and_mul``) runs on meta tensors with every ``@triton.jit`` function of the two kernel
-modules replaced by a recorder, so the constexprs, pointer dtypes, ``num_warps`` and integer
-specialisations are exactly what the engine would launch. Each distinct launch is then
+``silu_and_mul``, and exact log-probs' batch-invariant attention and matmul) runs on meta
+tensors with every ``@triton.jit`` function of the kernel modules replaced by a recorder, so
+the constexprs, pointer dtypes, ``num_warps`` and integer specialisations are exactly what
+the engine would launch. Each distinct launch is then
 specialised as Triton's launcher does (``native_specialize_impl``) and compiled with
 ``triton.compile`` for each target, down to PTX and a cubin (ptxas, no driver needed).
 
@@ -48,10 +49,16 @@ from triton.compiler.compiler import make_backend
 from triton.compiler.errors import CompilationError
 from triton.runtime.jit import JITFunction
 
-from tandem.kernels import AttentionMetadata, pool_layout, triton_attention, triton_layers
+from tandem.kernels import (
+    AttentionMetadata,
+    pool_layout,
+    triton_attention,
+    triton_layers,
+    triton_linear,
+)
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
-KERNEL_MODULES = (triton_attention, triton_layers)
+KERNEL_MODULES = (triton_attention, triton_layers, triton_linear)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 NUM_DECODES, PREFILL_LEN = 3, 21
@@ -200,6 +207,12 @@ def run_step(geometry: Geometry) -> None:
         metadata.context_lens[:NUM_DECODES], scale, num_splits=4)
     gate = _meta(tokens, g.intermediate_size, dtype=dtype)
     triton_layers.silu_and_mul(gate, torch.empty_like(gate))
+    # exact_logprobs: every query through the prefill kernel, every projection through the
+    # fixed-tile matmul (with a bias, as Qwen2's q/k/v).
+    triton_attention.batch_invariant_attention(q, k_cache, v_cache, metadata, scale)
+    triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=dtype))
+    triton_linear.linear(hidden, _meta(g.num_heads * g.head_dim, g.hidden_size, dtype=dtype),
+                         _meta(g.num_heads * g.head_dim, dtype=dtype))
 
 
 def record_launches(geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[Launch]:

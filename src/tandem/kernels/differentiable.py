@@ -1,20 +1,20 @@
-"""The CPU kernels as autograd functions: a trainer's forward pass through the very kernels
-the engine samples with, so that its log-probs are the engine's, bit for bit (exact
-log-probs, ``rollout/exact_forward.py``).
+"""The engine's kernels as autograd functions: a trainer's forward pass through the very
+kernels the engine samples with, so that its log-probs are the engine's, bit for bit (exact
+log-probs, ``rollout/exact_forward.py``), on CPU (the compiled C kernels) or CUDA (Triton).
 
-Each forward runs the compiled kernel; each backward is plain torch, within float tolerance
+Each forward runs the engine's kernel; each backward is plain torch, within float tolerance
 of autograd through the references (the gradient needs no bitwise match):
 
-- ``panel_linear``: ``x W^T + b`` by ``cpu_linear.c``'s panels (the weight packed at every
-  call, since a trainer's weight changes under it), backward two matmuls;
-- ``causal_attention``: every sequence of a flat token stream attending to itself, by the
-  compiled prefill kernel over the stream's own keys (no pool: ``cpu_attention.c`` gives a
-  token the same bits as a decode over the engine's pool), backward through SDPA;
-- RMSNorm, rotary and the gated activation, each recomputed by its reference under
-  autograd for the backward (``recomputed``).
-
-``TRAINING_OPS`` bundles them as a ``KernelOps`` whose ``causal_attention`` tells the
-model's attention to attend the step's own keys instead of a pool.
+- ``panel_linear`` and ``triton_linear``: ``x W^T + b`` by the batch-invariant matmul of
+  each backend (``cpu_linear.c``'s panels, the weight packed at every call since a
+  trainer's weight changes under it; ``triton_linear.py``, which reads it as stored),
+  backward two matmuls;
+- ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
+  activation, each recomputed by its reference under autograd for the backward
+  (``recomputed``), and a ``causal_attention`` that attends every sequence of a flat token
+  stream to itself through the engine's own attention over the stream's keys (no pool: the
+  engine's attention gives a token the same bits decoded or prefilled), backward through
+  SDPA. The model's attention calls it instead of storing to and reading from a pool.
 """
 
 from __future__ import annotations
@@ -25,19 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from . import cpu_attention, cpu_layers, cpu_linear, layers
+from . import cpu_linear, layers
 from .attention import AttentionMetadata
 from .dispatch import KernelOps
 
 
-class _PanelLinear(Function):
+class _Linear(Function):
     @staticmethod
-    def forward(ctx, rows, weight, bias):  # noqa: D102 - autograd's protocol
+    def forward(ctx, rows, weight, bias, kernel):  # noqa: D102 - autograd's protocol
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        panels = cpu_linear.panel_layout(weight.detach())
-        return cpu_linear.panel_linear(rows, panels, weight.shape[0],
-                                       None if bias is None else bias.detach().contiguous())
+        return kernel(rows, weight.detach(), None if bias is None else bias.detach())
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -45,15 +43,37 @@ class _PanelLinear(Function):
         grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_rows, grad_weight, grad_bias
+        return grad_rows, grad_weight, grad_bias, None
 
 
-def panel_linear(x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x W^T + b`` by the panel kernel, differentiable in all three (float32 or bfloat16,
-    ``cpu_build.DTYPES``): each output row the same bits as the engine's panels give it."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _PanelLinear.apply(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+def _panels(rows: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_linear.panel_linear(rows, cpu_linear.panel_layout(weight), weight.shape[0],
+                                   None if bias is None else bias.contiguous())
+
+
+def _triton(rows: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    from . import triton_linear  # only when the Triton kernels run
+
+    return triton_linear.linear(rows, weight, bias)
+
+
+def _differentiable(kernel: Callable) -> Callable:
+    def linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        return _Linear.apply(rows, weight, bias, kernel).view(*x.shape[:-1], weight.shape[0])
+    return linear
+
+
+panel_linear = _differentiable(_panels)
+panel_linear.__doc__ = """``x W^T + b`` by the panel kernel (``cpu_linear.c``; the weight
+packed at each call, as a trainer's changes under it), differentiable in all three
+(float32 or bfloat16): each output row the bits the engine's panels give it."""
+triton_linear = _differentiable(_triton)
+triton_linear.__doc__ = """``x W^T + b`` by the batch-invariant Triton kernel
+(``triton_linear.py``), differentiable in all three."""
 
 
 class _Recomputed(Function):
@@ -83,28 +103,12 @@ def recomputed(kernel: Callable, reference: Callable, *tensors: torch.Tensor):
     return _Recomputed.apply(kernel, reference, *tensors)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``layers.rms_norm`` by the C kernel, differentiable."""
-    if residual is None:
-        return recomputed(lambda x, w: cpu_layers.rms_norm(x, w, eps),
-                          lambda x, w: layers.rms_norm(x, w, eps), x, weight)
-    return recomputed(lambda x, w, r: cpu_layers.rms_norm(x, w, eps, r),
-                      lambda x, w, r: layers.rms_norm(x, w, eps, r), x, weight, residual)
-
-
-def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``layers.silu_and_mul`` by the C kernel, differentiable."""
-    return recomputed(cpu_layers.silu_and_mul, layers.silu_and_mul, gate, up)
-
-
 class _Rotary(Function):
     """One tensor rotated in place (autograd allows one dirty view per function)."""
 
     @staticmethod
-    def forward(ctx, x, positions, cos_cache, sin_cache):  # noqa: D102
-        cpu_layers.rotary_embedding(positions, x, x[:, :0], cos_cache, sin_cache)
+    def forward(ctx, x, positions, cos_cache, sin_cache, kernel):  # noqa: D102
+        kernel(positions, x, x[:, :0], cos_cache, sin_cache)
         ctx.mark_dirty(x)
         ctx.save_for_backward(positions, cos_cache, sin_cache)
         return x
@@ -115,30 +119,25 @@ class _Rotary(Function):
         grad = grad.clone()
         # A rotation's transpose is the rotation by minus the angle.
         layers.rotary_embedding(positions, grad, grad[:, :0], cos_cache, -sin_cache)
-        return grad, None, None, None
-
-
-def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                     cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
-    """``layers.rotary_embedding`` (in place) by the C kernel, differentiable."""
-    _Rotary.apply(query, positions, cos_cache, sin_cache)
-    _Rotary.apply(key, positions, cos_cache, sin_cache)
+        return grad, None, None, None, None
 
 
 class _CausalAttention(Function):
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, scale):  # noqa: D102
+    def forward(ctx, query, key, value, cu_seqlens, scale, attend):  # noqa: D102
         ctx.save_for_backward(query, key, value, cu_seqlens)
         ctx.scale = scale
         starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
         width = int(lengths.max())
         # The stream itself as a pool of one-token blocks: row t of each sequence's table is
         # its t-th token (the kernels' arithmetic does not depend on the block size).
-        tables = (starts[:, None] + torch.arange(width)).clamp(max=key.shape[0] - 1)
-        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long), tables, lengths,
-                                     cu_seqlens, num_decodes=0, max_query_len=width)
-        return cpu_attention.paged_attention(query.contiguous(), key.contiguous().unsqueeze(1),
-                                             value.contiguous().unsqueeze(1), metadata, scale)
+        positions = torch.arange(width, device=key.device)
+        tables = (starts[:, None] + positions).clamp(max=key.shape[0] - 1)
+        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long, device=key.device),
+                                     tables, lengths, cu_seqlens, num_decodes=0,
+                                     max_query_len=width)
+        return attend(query.contiguous(), key.contiguous().unsqueeze(1),
+                      value.contiguous().unsqueeze(1), metadata, scale)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -147,7 +146,7 @@ class _CausalAttention(Function):
         with torch.enable_grad():
             out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale)
         grads = torch.autograd.grad(out, inputs, grad)
-        return *grads, None, None
+        return *grads, None, None, None
 
 
 def _sdpa_reference(query, key, value, cu_seqlens, scale):
@@ -164,18 +163,34 @@ def _sdpa_reference(query, key, value, cu_seqlens, scale):
     return torch.cat(outs)
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Each sequence of the flat stream (``metadata.cu_seqlens_q``; every token a query)
-    attending to its own tokens up to each one, by the compiled kernel, differentiable."""
-    return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale)
+def training_ops(kernels: KernelOps) -> KernelOps:
+    """The engine's kernels ``kernels`` (the compiled CPU ones, or the Triton ones with the
+    batch-invariant attention) made differentiable for a trainer's forward pass: each runs
+    forward as the engine runs it, its backward in torch; ``causal_attention`` attends each
+    sequence of the step's flat stream to its own keys through ``kernels.paged_attention``.
+    """
+    def rms_norm(x, weight, eps, residual=None):
+        if residual is None:
+            return recomputed(lambda x, w: kernels.rms_norm(x, w, eps),
+                              lambda x, w: layers.rms_norm(x, w, eps), x, weight)
+        return recomputed(lambda x, w, r: kernels.rms_norm(x, w, eps, r),
+                          lambda x, w, r: layers.rms_norm(x, w, eps, r), x, weight, residual)
+
+    def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> None:
+        _Rotary.apply(query, positions, cos_cache, sin_cache, kernels.rotary_embedding)
+        _Rotary.apply(key, positions, cos_cache, sin_cache, kernels.rotary_embedding)
+
+    def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float):
+        return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale,
+                                      kernels.paged_attention)
+
+    return KernelOps(f"{kernels.name}-training", cascade=False, store_kv=_no_pool,
+                     paged_attention=_no_pool, rms_norm=rms_norm,
+                     rotary_embedding=rotary_embedding,
+                     silu_and_mul=lambda gate, up: recomputed(
+                         kernels.silu_and_mul, layers.silu_and_mul, gate, up),
+                     causal_attention=causal_attention)
 
 
 def _no_pool(*args, **kwargs):
     raise RuntimeError("the training kernels attend the step's own keys: there is no pool")
-
-
-TRAINING_OPS = KernelOps("cpu-training", cascade=False, store_kv=_no_pool,
-                         paged_attention=_no_pool, rms_norm=rms_norm,
-                         rotary_embedding=rotary_embedding, silu_and_mul=silu_and_mul,
-                         causal_attention=causal_attention)

@@ -59,9 +59,12 @@ def check_backend(backend: str) -> None:
                          f"{', '.join(map(repr, BACKENDS))}.")
 
 
-def select_kernels(backend: str, device: torch.device) -> KernelOps:
+def select_kernels(backend: str, device: torch.device, exact: bool = False) -> KernelOps:
     """The kernels for ``backend`` on ``device``: ``"auto"`` is Triton on CUDA, and on CPU
-    the compiled C kernels where they build (``cpu_build.available``), else torch.
+    the compiled C kernels where they build (``cpu_build.available``), else torch. With
+    ``exact`` (batch-invariant kernels, ``EngineConfig.exact_logprobs``) Triton's attention
+    runs every query through its prefill kernel (the C kernels are batch-invariant as
+    they are).
 
     Raises:
         ValueError: for an unknown backend, ``"cpu"`` off the CPU or where its kernel does
@@ -78,7 +81,7 @@ def select_kernels(backend: str, device: torch.device) -> KernelOps:
         raise ValueError(f"attention_backend='triton' on {device.type} needs the Triton "
                          "interpreter: set TRITON_INTERPRET=1 before Triton is imported, or "
                          "use attention_backend='torch'.")
-    return _triton_ops()
+    return _triton_ops(exact)
 
 
 def _cpu_ops(device: torch.device) -> KernelOps:
@@ -91,12 +94,13 @@ def _cpu_ops(device: torch.device) -> KernelOps:
     return CPU_OPS
 
 
-def _triton_ops() -> KernelOps:
+def _triton_ops(exact: bool) -> KernelOps:
     # Imported here so that the CPU path never imports Triton.
     from . import triton_attention, triton_layers
 
     return KernelOps("triton", cascade=False, store_kv=triton_attention.store_kv,
-                     paged_attention=triton_attention.paged_attention,
+                     paged_attention=triton_attention.batch_invariant_attention if exact
+                     else triton_attention.paged_attention,
                      rms_norm=triton_layers.rms_norm,
                      rotary_embedding=triton_layers.rotary_embedding,
                      silu_and_mul=triton_layers.silu_and_mul)

@@ -16,6 +16,7 @@ after it is loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -64,6 +65,22 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     num_prefills = metadata.context_lens.shape[0] - num_decodes
     if num_prefills:
         _prefill_attention(query, k_cache, v_cache, metadata, scale, output, num_prefills)
+    return output
+
+
+def batch_invariant_attention(query: torch.Tensor, k_cache: torch.Tensor,
+                              v_cache: torch.Tensor, metadata: AttentionMetadata,
+                              scale: float) -> torch.Tensor:
+    """``paged_attention`` with every query, decodes included, through the prefill kernel:
+    a decode is a one-token chunk, so a token's attention runs the same tiles, in the same
+    order, with the same online softmax, whether it was decoded or prefilled and wherever
+    its chunk began (exact log-probs; no flash-decoding split, whose count follows the
+    batch). Keys past a query's position fold in as exact no-ops."""
+    output = torch.empty_like(query)
+    if metadata.context_lens.shape[0]:
+        _prefill_attention(query, k_cache, v_cache, dataclasses.replace(
+            metadata, num_decodes=0, max_query_len=max(metadata.max_query_len, 1)), scale,
+            output, metadata.context_lens.shape[0])
     return output
 
 

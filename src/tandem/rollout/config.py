@@ -69,9 +69,11 @@ class EngineConfig:
         "log-prob does not depend on the batch, the chunk or the cache around it, and a "
         "trainer scoring it through ``rollout/exact_forward.py`` gets it bit for bit. On CPU "
         "every linear layer multiplies through the panels (no timed layout choice) and "
-        "every query runs the decode order. Default (None): on CPU where the C kernels "
-        "build, in float32 or bfloat16; off on CUDA, whose batch-invariant matmul is not "
-        "built yet. Alias updates need it off.")})
+        "every query runs the decode order; on CUDA (Triton) every linear layer multiplies "
+        "through a fixed-tile matmul and every query through the prefill kernel. Default "
+        "(None): on for CPU where the C kernels build, in float32 or bfloat16; off on CUDA "
+        "(opt in with True) until the GPU check measures its cost. Alias updates need it off "
+        "on CPU.")})
     tensor_parallel_size: int = field(default=1, metadata={"help": (
         "ranks one model is split over (vLLM's --tensor-parallel-size): each holds its share "
         "of the heads, the MLP, the vocabulary and the KV pool (a KV budget is per rank). "
@@ -145,13 +147,16 @@ class EngineConfig:
 def _inexact_reason(config: EngineConfig, dtype: torch.dtype) -> str | None:
     """Why the batch-invariant kernels cannot run for ``config`` in ``dtype`` (None: they
     can)."""
-    if config.torch_device.type != "cpu":
-        return (f"runs on CPU only for now ({config.torch_device.type}: the batch-invariant "
-                "Triton matmul is not built yet)")
-    if config.attention_backend not in ("auto", "cpu") or not cpu_build.available():
-        return "needs the compiled CPU kernels (attention_backend 'auto' or 'cpu', and gcc)"
+    backend, device = config.attention_backend, config.torch_device.type
+    if backend == "torch":
+        return "needs the compiled CPU kernels or Triton's, not attention_backend='torch'"
+    if backend == "triton" or device == "cuda":
+        return None if config.exact_logprobs else "is opt-in on CUDA until the GPU check " \
+            "measures it"
+    if not cpu_build.available():
+        return "needs the compiled CPU kernels (a C compiler: gcc or $CC)"
     if dtype not in cpu_build.DTYPES:
-        return f"takes float32 or bfloat16, not {dtype}"
+        return f"takes float32 or bfloat16 on CPU, not {dtype}"
     return None
 
 

@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from tandem.kernels import AttentionMetadata
-from tandem.kernels.differentiable import TRAINING_OPS, panel_linear
+from tandem.kernels import AttentionMetadata, KernelOps
+from tandem.kernels.differentiable import panel_linear, training_ops, triton_linear
 
 from .models import ARCHITECTURES, architecture_of
-from .models.llama import Linear, LlamaForCausalLM, LoraLinear
+from .models.llama import LlamaForCausalLM
 from .tensor_parallel import TensorParallel
 
 _LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
@@ -44,18 +44,6 @@ class ExactOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
 
 
-class _TwinLinear:
-    """A twin layer's multiply: the panels of whatever weight the layer is bound to."""
-
-    __slots__ = ("layer",)
-
-    def __init__(self, layer: Linear) -> None:
-        self.layer = layer
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return panel_linear(x, self.layer.weight, self.layer.bias)
-
-
 class ExactForward:
     """Calls like a Hugging Face causal LM on padded rows (``input_ids``, ``attention_mask``,
     ``position_ids``, ``logits_to_keep``), through the engine's kernels, differentiable in
@@ -65,25 +53,24 @@ class ExactForward:
         model: the trainer's model (transformers, maybe wrapped by peft), the engine's
             architecture, in the engine's dtype.
         engine_model: the engine's model (its config and rotary tables).
+        kernels: the engine's kernels (batch-invariant: the compiled CPU ones, or Triton's).
+        lora_runtime: the engine adds the adapter at run time (else it merges it).
     """
 
-    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM,
+    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM, kernels: KernelOps,
                  lora_runtime: bool = False) -> None:
         config = engine_model.config
         spec = ARCHITECTURES[architecture_of(config)]
         with torch.device("meta"):
-            self.twin = LlamaForCausalLM(config, spec, 1, torch.device("cpu"), TRAINING_OPS,
-                                         TensorParallel())
+            self.twin = LlamaForCausalLM(config, spec, 1, torch.device("cpu"),
+                                         training_ops(kernels), TensorParallel())
+        self.linear = panel_linear if kernels.name == "cpu" else triton_linear
+        self.twin.multiply_through(self.linear, f"{kernels.name} (differentiable)")
         self.twin.model.rotary_emb = engine_model.model.rotary_emb
         # As transformers' embedding: the padding token's row gets no gradient.
         pad = getattr(config, "pad_token_id", None)
         self.twin.model.embed_tokens.padding_idx = pad if pad is not None and \
             0 <= pad < config.vocab_size else None
-        for module in self.twin.modules():
-            if isinstance(module, Linear):
-                module.packed = _TwinLinear(module)
-            if isinstance(module, LoraLinear):
-                module.lora_in_panels = True
         self.model = model
         self.tied = bool(config.tie_word_embeddings)
         self.lora_layers = _lora_layers(model)
@@ -128,8 +115,8 @@ class ExactForward:
         real = attention_mask.bool()
         lengths = real.sum(1)
         cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long), torch.empty(0),
-                                     lengths, cu_seqlens, num_decodes=0,
+        nothing = lengths.new_empty(0)  # no pool: no slots, no block tables
+        metadata = AttentionMetadata(nothing, nothing, lengths, cu_seqlens, num_decodes=0,
                                      max_query_len=int(lengths.max()))
         tensors = self._tensors()
         inner = {name.removeprefix("model."): t for name, t in tensors.items()
@@ -139,13 +126,13 @@ class ExactForward:
         # Padded column j of row b is its position width - keep + j; the real ones map into
         # the flat stream, the rest read a zero row.
         width, first_real = input_ids.shape[1], real.int().argmax(1)
-        columns = torch.arange(width - logits_to_keep, width)
+        columns = torch.arange(width - logits_to_keep, width, device=input_ids.device)
         flat = cu_seqlens[:-1, None] + columns - first_real[:, None]
         inside = real.gather(1, columns.expand(len(real), -1))
         padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
         kept = padded[torch.where(inside, flat, hidden.shape[0])]
         head = tensors["model.embed_tokens.weight" if self.tied else "lm_head.weight"]
-        logits = panel_linear(kept, head)
+        logits = self.linear(kept, head)
         return ExactOutput(logits, (kept,) if output_hidden_states else None)
 
 

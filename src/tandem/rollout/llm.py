@@ -138,7 +138,7 @@ class LLM:
         runner = self.engine.runner
         if not runner.exact_logprobs or runner.tp.size > 1:
             return None
-        return ExactForward(model, runner.model, lora_runtime)
+        return ExactForward(model, runner.model, runner.ops, lora_runtime)
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""

@@ -64,7 +64,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.tp = tp or TensorParallel()
-        self.ops = select_kernels(attention_backend, device)
+        self.ops = select_kernels(attention_backend, device, exact_logprobs)
         self.model = build_model(hf_config, dtype, device, max_model_len, self.ops, self.tp)
         load_weights(self.model, model_dir)
         self.model.eval()
@@ -72,9 +72,8 @@ class ModelRunner:
         self.offloadable_weights = releasable_or_none(
             lambda: OffloadableWeights(self.model, device), "weights") \
             if device.type == "cuda" else None
-        if exact_logprobs:  # the batch-invariant layout, whatever a timing would choose
-            check_exact_shapes(hf_config, self.tp.size)
-            self.model.pack_linear_weights("panels")
+        if exact_logprobs:  # batch-invariant linear layers, whatever a timing would choose
+            self._multiply_batch_invariant(hf_config)
         elif device.type == "cpu" and self.ops.name != "triton":
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
         self.sampler = Sampler(eos_token_ids, seed, device)
@@ -91,6 +90,17 @@ class ModelRunner:
         self.graph_bytes = 0
         # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
         self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
+
+    def _multiply_batch_invariant(self, hf_config: PretrainedConfig) -> None:
+        """Every linear layer through the backend's batch-invariant matmul: the panels (a
+        copy) on CPU, the fixed-tile Triton kernel (the weights as stored) otherwise."""
+        if self.ops.name != "cpu":
+            from tandem.kernels import triton_linear
+
+            self.model.multiply_through(triton_linear.linear, "triton (batch-invariant)")
+            return
+        check_exact_shapes(hf_config, self.tp.size)
+        self.model.pack_linear_weights("panels")
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter by Hugging Face name (a tied one under its first name)."""

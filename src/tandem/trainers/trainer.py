@@ -97,7 +97,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.llm = LLM(str(self.model_dir), **engine_options(config, self.context))
         self.lora_sync = self._build_lora_sync()
-        if not exact_conflicts(config):  # the engine's log-probs bit for bit, where it can
+        if config.exact_logprobs is not False and not exact_conflicts(config):
             self.policy.use_exact_forward(self.llm.exact_forward(
                 self.policy.model, config.lora.enabled and config.lora.sync_mode == "runtime"))
         self.partial = None  # the collector that carries groups across steps

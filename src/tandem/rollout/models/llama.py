@@ -11,6 +11,7 @@ each (see ``tensor_parallel.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +43,12 @@ class ArchitectureSpec:
 
 class Linear(nn.Linear):
     """A linear layer that multiplies through a packed copy of its weight when it has one
-    (``packed``, set on CPU by ``pack_linear_weights``; see ``kernels/cpu_linear.py``)."""
+    (``packed``, set on CPU by ``pack_linear_weights``; see ``kernels/cpu_linear.py``), or
+    through a kernel of its own (``LiveLinear``, set by ``multiply_through``)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__(in_features, out_features, bias=bias)
-        self.packed: PackedWeight | None = None
+        self.packed: PackedWeight | LiveLinear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``."""
@@ -64,7 +66,7 @@ class LoraLinear(Linear):
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_scale = 0.0
-        self.lora_in_panels = False  # the adapter's products by the panels (batch-invariant)
+        self.lora_product: Callable[..., torch.Tensor] = F.linear  # the adapter's matmul
 
     def set_lora(self, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
         """Serve ``(A [r, in], B [out, r], scale)`` from now on, or no adapter (None)."""
@@ -83,8 +85,22 @@ class LoraLinear(Linear):
         """``out`` (this layer's ``x W^T + b``) plus the adapter's term of ``x``, if any."""
         if self.lora_a is None:
             return out
-        product = panel_linear if self.lora_in_panels else F.linear
+        product = self.lora_product
         return out + product(product(x, self.lora_a), self.lora_b) * self.lora_scale
+
+
+class LiveLinear:
+    """A layer's multiply by ``linear(x, weight, bias)`` with its weight as it is at each
+    call (no copy, so an aliased or trainer-bound weight is always current)."""
+
+    __slots__ = ("layer", "linear")
+
+    def __init__(self, layer: nn.Linear, linear: Callable[..., torch.Tensor]) -> None:
+        self.layer, self.linear = layer, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b``."""
+        return self.linear(x, self.layer.weight, self.layer.bias)
 
 
 class FusedProjections:
@@ -313,12 +329,26 @@ class LlamaForCausalLM(nn.Module):
             alone = id(module) not in in_fused
             if module is not self.lm_head:  # tied to the embedding: never re-stored
                 cpu_linear.store_column_major(module.weight, layout == "transposed")
-            if isinstance(module, LoraLinear):
-                module.lora_in_panels = layout == "panels"
+            if isinstance(module, LoraLinear):  # the panels' rows are batch-invariant
+                module.lora_product = panel_linear if layout == "panels" else F.linear
             module.packed = PackedWeight([module], layout) if alone and copied else None
         for group in fused:
             group.packed = PackedWeight(group.layers, layout) if copied else None
         self.linear_layout = layout
+
+    def multiply_through(self, linear: Callable[..., torch.Tensor], name: str) -> None:
+        """Every linear layer, the LM head and the LoRA products each through ``linear(x,
+        weight, bias)`` (``LiveLinear``: q/k/v and gate/up each on its own), ``name`` being
+        the layout reported: the batch-invariant Triton matmul of exact log-probs on CUDA,
+        or a trainer's differentiable kernels in its twin (``exact_forward.py``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = LiveLinear(module, linear)
+            if isinstance(module, LoraLinear):
+                module.lora_product = linear
+        for group in self.fused_projections():
+            group.packed = None
+        self.linear_layout = name
 
     def fastest_linear_layout(self) -> str | None:
         """The layout ``cpu_linear.fastest_layout`` finds fastest for this model's
@@ -344,7 +374,7 @@ class LlamaForCausalLM(nn.Module):
     def packed_weights(self) -> list[PackedWeight]:
         """Every packed copy of a weight the forward pass multiplies through (none unpacked)."""
         owners = [*self.fused_projections(), *(m for m in self.modules() if isinstance(m, Linear))]
-        return [owner.packed for owner in owners if owner.packed is not None]
+        return [owner.packed for owner in owners if isinstance(owner.packed, PackedWeight)]
 
     def attention_layers(self) -> list[LlamaAttention]:
         """The attention modules, in layer order, for binding the KV pool."""
