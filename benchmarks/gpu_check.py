@@ -32,6 +32,10 @@ engines still alive):
   against the same requests offline in one ``generate`` call.
 - ``grpo``: ``tandem train`` colocated GRPO, 3 steps, the device's peak polled from here.
 - ``structured``: JSON-schema sampling with xgrammar's bitmask on the device.
+- ``exact``: exact log-probs (issue 40): the batch-invariant Triton matmul against cuBLAS
+  (row bits alone and among M rows, seconds), decode tok/s with ``exact_logprobs`` on over
+  off, the engine against itself (batch of 8, prefill rescoring) and the trainer's forward
+  against the engine's sampled log-probs (target: a gap of exactly 0).
 - ``resources``: registers, spills and shared memory of every Triton kernel compiled here.
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
@@ -77,6 +81,7 @@ from gpu_check_engine import (  # noqa: E402
     check_updates,
     greedy,
 )
+from gpu_check_exact import check_exact  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     check_bandwidth,
     check_kernels,
@@ -176,6 +181,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "server": (40, lambda: check_server(rec, folder, work)),
             "grpo": (40, lambda: check_grpo(rec, folder, work)),
             "structured": (15, lambda: check_structured(rec, work)),
+            "exact": (25, lambda: check_exact(rec, folder)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
             "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}
