@@ -28,10 +28,12 @@
 /* One hardware vector (as in cpu_attention.c: wider generic vectors go through memory). */
 #ifdef __AVX512F__
 #define LANES 16
-#define BLOCK_ROWS 8
+#define BLOCK_ROWS 12 /* 12 rows x 2 panels of 1 vector: 24 sums, of the 32 registers */
+#define PAIRED 2      /* panels multiplied side by side, sharing each row's broadcast */
 #else
 #define LANES 8
 #define BLOCK_ROWS 6 /* 6 rows x 2 vectors: 12 sums in registers, of the 16 AVX2 has */
+#define PAIRED 1
 #endif
 #define VECTORS (PANEL / LANES)
 
@@ -65,34 +67,45 @@ static inline void store_scalar(void *to, int64_t index, float value, const int 
 }
 
 /* Rows [0, rows) of float32 x (row m at x + m * x_stride; rows <= BLOCK_ROWS) times
- * the panel at element `panel` of `panels`: out[m][column + j] (row m at element
- * out_first + m * out_stride) for j < width (the last panel may be partial: its padding
- * columns are zero weights, never written). `rows` and `bf16` are constants once inlined. */
+ * `count` adjacent panels (at most PAIRED), the first at element `panel` of `panels`:
+ * out[m][column + j] (row m at element out_first + m * out_stride) for j < width (the last
+ * panel may be partial: its padding columns are zero weights, never written). Each output
+ * is its products summed in K_BLOCK blocks, the blocks then added in order: the same bits
+ * whatever `rows`, `count` or the row's place in the block. `rows`, `count` and `bf16` are
+ * constants once inlined. */
 static inline __attribute__((always_inline)) void panel_rows(
         const float *x, int64_t x_stride, const void *panels, int64_t panel,
         int64_t in, const void *bias, int64_t column, void *out, int64_t out_first,
-        int64_t out_stride, int width, const int rows, const int bf16) {
-    vfloat total[BLOCK_ROWS][VECTORS] = {{{0}}};
+        int64_t out_stride, int width, const int rows, const int count, const int bf16) {
+    vfloat total[BLOCK_ROWS][PAIRED * VECTORS];
+    for (int m = 0; m < rows; m++)
+        for (int v = 0; v < count * VECTORS; v++)
+            total[m][v] = (vfloat){0};
     for (int64_t start = 0; start < in; start += K_BLOCK) {
         const int64_t stop = start + K_BLOCK < in ? start + K_BLOCK : in;
-        vfloat block[BLOCK_ROWS][VECTORS] = {{{0}}};
+        vfloat block[BLOCK_ROWS][PAIRED * VECTORS];
+        for (int m = 0; m < rows; m++)
+            for (int v = 0; v < count * VECTORS; v++)
+                block[m][v] = (vfloat){0};
         for (int64_t k = start; k < stop; k++) {
-            vfloat w[VECTORS];
-            for (int v = 0; v < VECTORS; v++)
-                w[v] = load_vector(panels, panel + k * PANEL + v * LANES, bf16);
+            vfloat w[PAIRED * VECTORS];
+            for (int q = 0; q < count; q++)
+                for (int v = 0; v < VECTORS; v++)
+                    w[q * VECTORS + v] = load_vector(
+                        panels, panel + q * in * PANEL + k * PANEL + v * LANES, bf16);
             for (int m = 0; m < rows; m++) {
                 const vfloat value = (vfloat){0} + x[m * x_stride + k];
-                for (int v = 0; v < VECTORS; v++)
+                for (int v = 0; v < count * VECTORS; v++)
                     block[m][v] += value * w[v];
             }
         }
         for (int m = 0; m < rows; m++)
-            for (int v = 0; v < VECTORS; v++)
+            for (int v = 0; v < count * VECTORS; v++)
                 total[m][v] += block[m][v];
     }
     for (int m = 0; m < rows; m++) {
-        float sums[PANEL];
-        memcpy(sums, total[m], sizeof sums);
+        float sums[PAIRED * PANEL];
+        memcpy(sums, total[m], count * PANEL * sizeof(float));
         for (int j = 0; j < width; j++) {
             const float b = bias ? load_scalar(bias, column + j, bf16) : 0.0f;
             store_scalar(out, out_first + m * out_stride + column + j, sums[j] + b, bf16);
@@ -100,26 +113,44 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
-/* Rows [first, first + rows) of x times panel p of W, BLOCK_ROWS at a time, then 4, 2, 1. */
+/* Rows [first, first + rows) of x times `count` panels from p, BLOCK_ROWS at a time, then
+ * 4, 2, 1. */
 static inline __attribute__((always_inline)) void panel_times_rows(
         const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
-        const void *panels, int64_t p, int64_t out_features, const void *bias, void *out,
-        int64_t out_stride, const int bf16) {
+        const void *panels, int64_t p, const int count, int64_t out_features,
+        const void *bias, void *out, int64_t out_stride, const int bf16) {
     const int64_t panel = p * in * PANEL, column = p * PANEL, stop = first + rows;
-    const int width = out_features - column < PANEL ? (int)(out_features - column) : PANEL;
+    const int64_t left = out_features - column;
+    const int width = left < count * PANEL ? (int)left : count * PANEL;
     int64_t r = first;
     for (; r + BLOCK_ROWS <= stop; r += BLOCK_ROWS)
         panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
-                   r * out_stride, out_stride, width, BLOCK_ROWS, bf16);
+                   r * out_stride, out_stride, width, BLOCK_ROWS, count, bf16);
     for (; r + 4 <= stop; r += 4)
         panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
-                   r * out_stride, out_stride, width, 4, bf16);
+                   r * out_stride, out_stride, width, 4, count, bf16);
     for (; r + 2 <= stop; r += 2)
         panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
-                   r * out_stride, out_stride, width, 2, bf16);
+                   r * out_stride, out_stride, width, 2, count, bf16);
     for (; r < stop; r++)
         panel_rows(x + r * x_stride, x_stride, panels, panel, in, bias, column, out,
-                   r * out_stride, out_stride, width, 1, bf16);
+                   r * out_stride, out_stride, width, 1, count, bf16);
+}
+
+/* Rows [first, first + rows) times the panels of group g: PAIRED panels from g * PAIRED,
+ * or the one left at the end. */
+static inline __attribute__((always_inline)) void group_times_rows(
+        const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
+        const void *panels, int64_t g, int64_t num_panels, int64_t out_features,
+        const void *bias, void *out, int64_t out_stride, const int bf16) {
+    int64_t p = g * PAIRED;
+    if (p + PAIRED <= num_panels)
+        panel_times_rows(x, x_stride, first, rows, in, panels, p, PAIRED, out_features, bias,
+                         out, out_stride, bf16);
+    else
+        for (; p < num_panels; p++) /* PAIRED > 1 only: the odd one out */
+            panel_times_rows(x, x_stride, first, rows, in, panels, p, 1, out_features, bias,
+                             out, out_stride, bf16);
 }
 
 /* out [rows, out_features] (rows out_stride apart) = x [rows, in] (x_stride apart) times the
@@ -146,17 +177,18 @@ int32_t tandem_panel_linear(const void *x, int64_t x_stride, int64_t rows, int64
         x_stride = in;
     }
     const float *x32 = bf16 ? converted : (const float *)x;
+    const int64_t num_groups = (num_panels + PAIRED - 1) / PAIRED;
 #pragma omp parallel num_threads(num_threads)
     for (int64_t first = 0; first < rows; first += tile) {
         const int64_t count = rows - first < tile ? rows - first : tile;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < num_panels; p++) {
+        for (int64_t g = 0; g < num_groups; g++) {
             if (bf16)
-                panel_times_rows(x32, x_stride, first, count, in, panels, p, out_features, bias,
-                                 out, out_stride, 1);
+                group_times_rows(x32, x_stride, first, count, in, panels, g, num_panels,
+                                 out_features, bias, out, out_stride, 1);
             else
-                panel_times_rows(x32, x_stride, first, count, in, panels, p, out_features, bias,
-                                 out, out_stride, 0);
+                group_times_rows(x32, x_stride, first, count, in, panels, g, num_panels,
+                                 out_features, bias, out, out_stride, 0);
         }
     }
     free(converted);

@@ -250,7 +250,7 @@ class LLMEngine:
         Raises:
             ValueError: for ``alias`` under ``exact_logprobs`` on CPU, whose panels are
                 copies."""
-        if alias and self.runner.model.linear_layout == "panels":
+        if alias and self.runner.exact_logprobs and self.runner.model.linear_layout == "panels":
             raise ValueError("alias updates serve the trainer's tensors in place, which the "
                              "batch-invariant panels of exact_logprobs cannot follow: start "
                              "the engine with exact_logprobs=False to alias, or copy.")
