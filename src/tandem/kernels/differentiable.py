@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.autograd import Function
 
 from . import cpu_linear, layers
@@ -35,6 +36,9 @@ class _Linear(Function):
     def forward(ctx, rows, weight, bias, kernel):  # noqa: D102 - autograd's protocol
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
+        leaf = weight if isinstance(weight, nn.Parameter) else None
+        if kernel is _panels:
+            return _panels(rows, weight.detach(), None if bias is None else bias.detach(), leaf)
         return kernel(rows, weight.detach(), None if bias is None else bias.detach())
 
     @staticmethod
@@ -46,9 +50,22 @@ class _Linear(Function):
         return grad_rows, grad_weight, grad_bias, None
 
 
-def _panels(rows: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
-    return cpu_linear.panel_linear(rows, cpu_linear.panel_layout(weight), weight.shape[0],
+def _packed(weight: torch.Tensor, parameter: nn.Parameter | None) -> torch.Tensor:
+    """``weight``'s panels. A trainer's parameter keeps its own (an attribute, dropped with
+    it), repacked only after it changes: an optimizer step writes it in place, which bumps
+    its version. A computed weight (a merged adapter) is packed at each call."""
+    if parameter is None:
+        return cpu_linear.panel_layout(weight)
+    key = (weight.data_ptr(), parameter._version, tuple(weight.shape), weight.dtype)
+    cached = getattr(parameter, "_tandem_panels", None)
+    if cached is None or cached[0] != key:
+        cached = parameter._tandem_panels = (key, cpu_linear.panel_layout(weight))
+    return cached[1]
+
+
+def _panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            parameter: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu_linear.panel_linear(rows, _packed(weight, parameter), weight.shape[0],
                                    None if bias is None else bias.contiguous())
 
 
@@ -150,17 +167,24 @@ class _CausalAttention(Function):
 
 
 def _sdpa_reference(query, key, value, cu_seqlens, scale):
-    """Each sequence's causal attention through SDPA, its KV heads repeated for their
-    query heads."""
-    group = query.shape[1] // key.shape[1]
-    outs = []
-    bounds = cu_seqlens.tolist()
-    for start, stop in zip(bounds, bounds[1:]):
-        q, k, v = (t[start:stop].transpose(0, 1) for t in (query, key, value))
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        outs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-                    .transpose(0, 1))
-    return torch.cat(outs)
+    """Each sequence's causal attention through one SDPA call over the sequences padded to
+    the longest (keys past a sequence's end masked), its KV heads grouped (GQA); back to
+    the flat stream."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    width, group = int(lengths.max()), query.shape[1] // key.shape[1]
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
+    position = torch.arange(query.shape[0], device=query.device) - cu_seqlens[:-1][seq_of]
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [seqs, heads, width, head_dim]
+        out = x.new_zeros(len(lengths), width, *x.shape[1:])
+        return out.index_put((seq_of, position), x).transpose(1, 2)
+
+    keys = torch.arange(width, device=query.device)
+    mask = (keys[None, :] <= keys[:, None])[None] & (keys < lengths[:, None])[:, None, :]
+    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
+                                         attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=group > 1)
+    return out.transpose(1, 2)[seq_of, position]
 
 
 def training_ops(kernels: KernelOps) -> KernelOps:
