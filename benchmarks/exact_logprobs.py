@@ -83,13 +83,16 @@ def trainer_rows(dtype: str, sampled: list, llm: LLM, rounds: int) -> list[tuple
     for name, forward in (("engine kernels (exact)", llm.exact_forward(model)),
                           ("transformers", model)):
         forwards, totals = [], []
-        for _ in range(rounds):
+        for round_index in range(rounds + 1):  # the first warms up, untimed
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             scored, _, _ = completion_logprobs(forward, batch, 1.0)
             forwards.append(time.perf_counter() - start)
             (scored * batch.completion_mask).sum().backward()
             totals.append(time.perf_counter() - start)
+            if not round_index:
+                forwards.clear()
+                totals.clear()
         gap = ((scored.detach() - expected) * batch.completion_mask).abs().max().item()
         rows.append((name, f"{statistics.median(forwards):.2f}",
                      f"{statistics.median(totals):.2f}", f"{gap:.1e}"))

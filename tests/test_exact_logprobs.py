@@ -202,3 +202,25 @@ def test_the_triton_kernels_are_exact_in_the_interpreter(llama_dir, dtype):
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=getattr(torch, dtype))
     logprobs, mask = trainer_logprobs(model, llm, prompts, completions, 1.0)
     assert_exact(logprobs, mask, sampler_logprobs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grpo_on_the_embedded_model_is_exactly_on_policy(tmp_path, dtype):
+    # The main job's model and task, two short steps: every sampled token's log-prob in the
+    # trainer equals the engine's, in float32 and bfloat16.
+    from tandem.rollout.default_model import DEFAULT_MODEL
+    from tandem.trainers.config import LoggingConfig, OptimConfig, RolloutConfig
+    from tandem.trainers.trainer import Trainer
+
+    config = TrainConfig(
+        model=DEFAULT_MODEL, dtype=dtype, task="arith", steps=2, output_dir=str(tmp_path),
+        rollout=RolloutConfig(prompts_per_step=2, num_generations=4, max_tokens=12,
+                              engine={"kv_cache_memory_bytes": 64 << 20,
+                                      "max_model_len": 256}),
+        optim=OptimConfig(lr=2e-5, micro_batch_size=8),
+        logging=LoggingConfig(wandb=False, progress_bar=False, console_every=0))
+    trainer = Trainer(config)
+    for _ in range(2):
+        metrics = trainer.train_step()
+        assert metrics["sampler_logprob_diff_max"] == 0.0
+        assert metrics["sampler_logprob_exact_fraction"] == 1.0

@@ -10,11 +10,11 @@ of autograd through the references (the gradient needs no bitwise match):
   trainer's weight changes under it; ``triton_linear.py``, which reads it as stored),
   backward two matmuls;
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
-  activation, each recomputed by its reference under autograd for the backward
-  (``recomputed``), and a ``causal_attention`` that attends every sequence of a flat token
-  stream to itself through the engine's own attention over the stream's keys (no pool: the
-  engine's attention gives a token the same bits decoded or prefilled), backward through
-  SDPA. The model's attention calls it instead of storing to and reading from a pool.
+  activation, each with its backward written out in float32, and a ``causal_attention``
+  that attends every sequence of a flat token stream to itself through the engine's own
+  attention over the stream's keys (no pool: the engine's attention gives a token the same
+  bits decoded or prefilled), backward through one padded SDPA call. The model's attention
+  calls it instead of storing to and reading from a pool.
 """
 
 from __future__ import annotations
@@ -93,31 +93,53 @@ triton_linear.__doc__ = """``x W^T + b`` by the batch-invariant Triton kernel
 (``triton_linear.py``), differentiable in all three."""
 
 
-class _Recomputed(Function):
-    @staticmethod
-    def forward(ctx, kernel, reference, *tensors):  # noqa: D102
-        ctx.reference = reference
-        ctx.save_for_backward(*tensors)
-        return kernel(*tensors)
+class _RMSNorm(Function):
+    """``layers.rms_norm`` by ``kernel``; the backward in float32 from the saved input (the
+    sum with the residual when there is one), the roundings to the model dtype taken as the
+    identity."""
 
     @staticmethod
-    def backward(ctx, *grads):  # noqa: D102
-        inputs = [t.detach().requires_grad_(needs)
-                  for t, needs in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
-        with torch.enable_grad():
-            outputs = ctx.reference(*inputs)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None]
-        wanted = [t for t in inputs if t.requires_grad]
-        found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
-                                          allow_unused=True))
-        return None, None, *(next(found) if t.requires_grad else None for t in inputs)
+    def forward(ctx, x, weight, residual, eps, kernel):  # noqa: D102
+        if residual is None:
+            out, total = kernel(x, weight, eps), x
+        else:
+            out, total = kernel(x, weight, eps, residual)
+        ctx.save_for_backward(total, weight)
+        ctx.eps, ctx.has_residual = eps, residual is not None
+        return (out, total) if residual is not None else out
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_total=None):  # noqa: D102
+        total, weight = ctx.saved_tensors
+        x = total.float()
+        inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        normed = x * inverse
+        grad_normed = grad_out.float() * weight.float()
+        grad_x = inverse * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        if grad_total is not None:
+            grad_x = grad_x + grad_total.float()
+        grad_weight = (grad_out.float() * normed.to(total.dtype).float()).reshape(
+            -1, weight.shape[0]).sum(0).to(weight.dtype)
+        grad_x = grad_x.to(total.dtype)
+        return grad_x, grad_weight, grad_x if ctx.has_residual else None, None, None
 
 
-def recomputed(kernel: Callable, reference: Callable, *tensors: torch.Tensor):
-    """``kernel(*tensors)`` (a tensor or a tuple), differentiable through ``reference``,
-    which computes the same function in torch and is recomputed for the backward."""
-    return _Recomputed.apply(kernel, reference, *tensors)
+class _SiluAndMul(Function):
+    """``layers.silu_and_mul`` by ``kernel``; the backward in float32."""
+
+    @staticmethod
+    def forward(ctx, gate, up, kernel):  # noqa: D102
+        ctx.save_for_backward(gate, up)
+        return kernel(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        gate, up = (t.float() for t in ctx.saved_tensors)
+        grad, sigmoid = grad.float(), torch.sigmoid(gate)
+        grad_up = grad * gate * sigmoid
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return grad_gate.to(ctx.saved_tensors[0].dtype), grad_up.to(ctx.saved_tensors[1].dtype), \
+            None
 
 
 class _Rotary(Function):
@@ -194,11 +216,7 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     sequence of the step's flat stream to its own keys through ``kernels.paged_attention``.
     """
     def rms_norm(x, weight, eps, residual=None):
-        if residual is None:
-            return recomputed(lambda x, w: kernels.rms_norm(x, w, eps),
-                              lambda x, w: layers.rms_norm(x, w, eps), x, weight)
-        return recomputed(lambda x, w, r: kernels.rms_norm(x, w, eps, r),
-                          lambda x, w, r: layers.rms_norm(x, w, eps, r), x, weight, residual)
+        return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm)
 
     def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> None:
         _Rotary.apply(query, positions, cos_cache, sin_cache, kernels.rotary_embedding)
@@ -211,8 +229,8 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     return KernelOps(f"{kernels.name}-training", cascade=False, store_kv=_no_pool,
                      paged_attention=_no_pool, rms_norm=rms_norm,
                      rotary_embedding=rotary_embedding,
-                     silu_and_mul=lambda gate, up: recomputed(
-                         kernels.silu_and_mul, layers.silu_and_mul, gate, up),
+                     silu_and_mul=lambda gate, up: _SiluAndMul.apply(gate, up,
+                                                                     kernels.silu_and_mul),
                      causal_attention=causal_attention)
 
 
