@@ -333,39 +333,6 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
         store_output(a, start + first + r / group, kv_head * group + r % group, sums[r]);
 }
 
-/* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each,
- * over `num_threads` threads: each is a prefill tile of one token (attend_tile), so a
- * decode and the same position inside a prefill chunk run the very same arithmetic, in the
- * same order, and give the same bits (exact log-probs: a token's log-prob never depends on
- * whether it was decoded or prefilled, nor on the chunk around it).
- * Returns 0, or -1 when its scratch memory could not be allocated (no output written then
- * for some tasks). */
-int32_t tandem_decode_attention(const struct attention_args *a, int64_t num_seqs,
-                                int32_t num_threads) {
-    int64_t longest = 1;
-    for (int64_t s = 0; s < num_seqs; s++)
-        longest = a->context_lens[s] > longest ? a->context_lens[s] : longest;
-    const int64_t num_tasks = num_seqs * a->num_kv_heads;
-    int32_t status = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float *scores = malloc(sizeof(float) * MAX_TILE_ROWS * longest);
-        int64_t *rows = malloc(sizeof(int64_t) * longest);
-        if (scores == NULL || rows == NULL) {
-#pragma omp atomic write
-            status = -1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < num_tasks; task++)
-            if (scores != NULL && rows != NULL)
-                attend_tile(a, task / a->num_kv_heads, task % a->num_kv_heads, 0, 1, scores,
-                            rows);
-        free(scores);
-        free(rows);
-    }
-    return status;
-}
-
 /* Attend the query tokens of sequences [first_seq, num_seqs), each a prefill chunk of its
  * sequence's last tokens, over `num_threads` threads. Returns 0, or -1 when its scratch
  * memory could not be allocated (no output written then for some tasks). */
@@ -413,4 +380,15 @@ int32_t tandem_prefill_attention(const struct attention_args *a, int64_t first_s
     }
     free(first_task);
     return status;
+}
+
+/* Attend every (sequence, KV head) of the first `num_seqs` sequences, one query token each,
+ * over `num_threads` threads: each is a prefill tile of one token, the prefill's own task,
+ * so a decode and the same position inside a prefill chunk run the very same arithmetic,
+ * in the same order, and give the same bits (exact log-probs: a token's log-prob never
+ * depends on whether it was decoded or prefilled, nor on the chunk around it).
+ * Returns 0, or -1 when its scratch memory could not be allocated. */
+int32_t tandem_decode_attention(const struct attention_args *a, int64_t num_seqs,
+                                int32_t num_threads) {
+    return tandem_prefill_attention(a, 0, num_seqs, num_threads);
 }
