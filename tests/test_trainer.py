@@ -205,7 +205,9 @@ def test_grpo_trains_on_multi_turn_episodes_masking_environment_tokens(llama_dir
     history = [trainer.train_step() for _ in range(2)]
     for metrics in history:
         assert metrics["episode_turns"] > 1 and metrics["episode_environment_tokens"] > 0
-        assert metrics["sampler_logprob_diff_max"] < 1e-4
+        # Exact log-probs across turns whose KV the engine held (environment tokens prefilled
+        # after the model's own, as a chunk after a cached prefix).
+        assert metrics["sampler_logprob_diff_max"] == 0.0
         # each group's prompt once, then only new tokens: well under one pass per token
         assert 0 < metrics["episode_prefill_per_context_token"] < 0.6
     assert trainer.llm.stats()["held_sequences"] == 0
