@@ -1,6 +1,6 @@
 """Which of the engine's CPU operations give a row the same bits whatever rows share its step
-(issue 40's first measure: exact on-policy log-probs need every operation on a token's path
-to be batch-invariant).
+(exact on-policy log-probs, issue 40, need every operation on a token's path to be
+batch-invariant).
 
 For each operation and dtype, a fixed random row is computed alone and then as row 0 of a
 batch of M random rows, for M in ``--rows``; the table gives, per M, whether row 0's output is
@@ -14,20 +14,20 @@ bitwise the same as alone, and the largest absolute difference:
 
 The engine end to end is the other half: a completion's log-probs sampled alone against the
 same seeded completion inside a batch, and against the engine's own prefill scoring of the
-same tokens (``prompt_logprobs``): ``--engine`` over the embedded model.
+same tokens (``prompt_logprobs``): ``--engine`` over the embedded model, with the engine's
+batch-invariant kernels (``exact_logprobs``, the default on CPU) or, ``--not-exact``, this
+machine's timed layout. What exactness costs is ``exact_logprobs.py``'s.
 
 Run::
 
     python benchmarks/batch_invariance.py
     python benchmarks/batch_invariance.py --engine --dtype bfloat16
-    python benchmarks/batch_invariance.py --engine --exact --cost
+    python benchmarks/batch_invariance.py --engine --not-exact
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import time
 from collections.abc import Callable
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from common import print_table, setup_torch
 from torch import nn
 
-from tandem.kernels import AttentionMetadata, cpu_linear
+from tandem.kernels import cpu_linear
 
 Op = Callable[[torch.Tensor], torch.Tensor]
 
@@ -92,43 +92,13 @@ def kernel_table(args: argparse.Namespace, dtype: torch.dtype) -> list[tuple[str
     return table
 
 
-def attention_as_decodes(paged_attention: Callable) -> Callable:
-    """``paged_attention`` with every prefill token attended as a decode of its own (its
-    sequence's block table, its position's context): the decode kernel's reduction order
-    for every query (``--exact``, an experiment for issue 40)."""
-    def run(query, k_cache, v_cache, metadata, scale):
-        starts = metadata.cu_seqlens_q
-        lengths = starts[1:] - starts[:-1]
-        seq_of = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        first = (metadata.context_lens - lengths)[seq_of]
-        positions = torch.arange(query.shape[0]) - starts[:-1][seq_of] + first
-        expanded = AttentionMetadata(
-            metadata.slot_mapping, metadata.block_tables[seq_of], positions + 1,
-            torch.arange(query.shape[0] + 1), num_decodes=query.shape[0])
-        return paged_attention(query, k_cache, v_cache, expanded, scale)
-    return run
-
-
-def make_exact(llm) -> None:
-    """The experiment of ``--exact``: every projection through the panels, every query
-    through the decode kernel."""
-    runner = llm.engine.runner
-    runner.model.pack_linear_weights("panels")
-    ops = dataclasses.replace(runner.ops,
-                              paged_attention=attention_as_decodes(runner.ops.paged_attention))
-    for layer in runner.model.attention_layers():
-        layer.ops = ops
-
-
-def engine_rows(dtype: str, exact: bool = False) -> list[tuple[str, ...]]:
+def engine_rows(dtype: str, exact: bool = True) -> list[tuple[str, ...]]:
     """The embedded model's seeded completion alone, in a batch of 8, and rescored by
-    prefill: how many of its log-probs are bitwise equal, and the largest gap (``exact``:
-    after ``make_exact``)."""
+    prefill: how many of its log-probs are bitwise equal, and the largest gap, with the
+    engine's batch-invariant kernels (``exact_logprobs``) or without (the timed layout)."""
     from tandem.rollout import LLM, SamplingParams
 
-    llm = LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=512)
-    if exact:
-        make_exact(llm)
+    llm = LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=512, exact_logprobs=exact)
     prompt = llm.get_tokenizer().encode("Write a short poem about the sea.")
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=24, logprobs=0, ignore_eos=True)
     alone = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -149,39 +119,10 @@ def engine_rows(dtype: str, exact: bool = False) -> list[tuple[str, ...]]:
         return (name, dtype, f"{same_tokens}/{len(alone.token_ids)}", f"{equal}/{len(pairs)}",
                 f"{gap:.1e}")
 
-    name = "engine, exact experiment" if exact else "engine"
+    name = "engine, exact_logprobs" if exact else "engine, timed layout"
     return [(name, "dtype", "same tokens", "bitwise log-probs", "largest gap"),
             compare("in a batch of 8", batch.token_ids, batch.logprobs),
             compare("prefill rescoring", alone.token_ids, rescored)]
-
-
-def exact_cost_rows(dtype: str) -> list[tuple[str, ...]]:
-    """Prefill and decode tok/s of the embedded model as timed (its layout) and with
-    ``make_exact``: 16 prompts of 400 tokens, then 64 decode steps each."""
-    from tandem.rollout import LLM, SamplingParams
-
-    prompts = [[(7 * i + j) % 5000 + 10 for j in range(400)] for i in range(16)]
-    rows = [("engine", "layout", "prefill tok/s", "decode tok/s", "of as timed")]
-    timed_rates = None
-    for exact in (False, True):
-        llm = LLM("smollm2-135m-instruct", dtype=dtype, max_model_len=1024)
-        if exact:
-            make_exact(llm)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
-        seconds = []
-        for max_tokens in (1, 65):
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                         use_tqdm=False)
-            seconds.append(time.perf_counter() - start)
-        rates = (len(prompts) * 400 / seconds[0], len(prompts) * 64 / (seconds[1] - seconds[0]))
-        timed_rates = timed_rates or rates
-        rows.append(("exact experiment" if exact else "as timed",
-                     str(llm.engine.runner.model.linear_layout), f"{rates[0]:.0f}",
-                     f"{rates[1]:.0f}", " / ".join(f"{r / t:.2f}x"
-                                                   for r, t in zip(rates, timed_rates))))
-    return rows
 
 
 def main() -> None:
@@ -193,12 +134,8 @@ def main() -> None:
                         help="the LM head's shape (151,936 outputs) instead of a projection's")
     parser.add_argument("--engine", action="store_true",
                         help="also the embedded model's engine end to end")
-    parser.add_argument("--exact", action="store_true",
-                        help="with --engine: the panels for every projection and the decode "
-                             "kernel for every query (an experiment)")
-    parser.add_argument("--cost", action="store_true",
-                        help="the exact experiment's prefill and decode tok/s against the "
-                             "engine as timed")
+    parser.add_argument("--not-exact", action="store_true",
+                        help="with --engine: exact_logprobs off (this machine's timed layout)")
     args = parser.parse_args()
     setup_torch()
     dtype = getattr(torch, args.dtype)
@@ -206,9 +143,7 @@ def main() -> None:
           f"{torch.get_num_threads()} threads): '=' bitwise, else the largest difference")
     print_table(kernel_table(args, dtype))
     if args.engine:
-        print_table(engine_rows(args.dtype, args.exact))
-    if args.cost:
-        print_table(exact_cost_rows(args.dtype))
+        print_table(engine_rows(args.dtype, not args.not_exact))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Each forward runs the engine's kernel; each backward is plain torch, within floa
 of autograd through the references (the gradient needs no bitwise match):
 
 - ``panel_linear`` and ``triton_linear``: ``x W^T + b`` by the batch-invariant matmul of
-  each backend (``cpu_linear.c``'s panels, the weight packed at every call since a
-  trainer's weight changes under it; ``triton_linear.py``, which reads it as stored),
+  each backend (``cpu_linear.c``'s panels, a parameter's kept on it until the optimizer
+  writes it; ``triton_linear.py``, which reads the weight as stored),
   backward two matmuls;
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
   activation, each with its backward written out in float32, and a ``causal_attention``
@@ -36,10 +36,8 @@ class _Linear(Function):
     def forward(ctx, rows, weight, bias, kernel):  # noqa: D102 - autograd's protocol
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
-        leaf = weight if isinstance(weight, nn.Parameter) else None
-        if kernel is _panels:
-            return _panels(rows, weight.detach(), None if bias is None else bias.detach(), leaf)
-        return kernel(rows, weight.detach(), None if bias is None else bias.detach())
+        parameter = weight if isinstance(weight, nn.Parameter) else None
+        return kernel(rows, weight.detach(), None if bias is None else bias.detach(), parameter)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -64,13 +62,13 @@ def _packed(weight: torch.Tensor, parameter: nn.Parameter | None) -> torch.Tenso
 
 
 def _panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            parameter: torch.Tensor | None = None) -> torch.Tensor:
+            parameter: nn.Parameter | None) -> torch.Tensor:
     return cpu_linear.panel_linear(rows, _packed(weight, parameter), weight.shape[0],
                                    None if bias is None else bias.contiguous())
 
 
-def _triton(rows: torch.Tensor, weight: torch.Tensor,
-            bias: torch.Tensor | None) -> torch.Tensor:
+def _triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            parameter: nn.Parameter | None) -> torch.Tensor:  # reads the weight as stored
     from . import triton_linear  # only when the Triton kernels run
 
     return triton_linear.linear(rows, weight, bias)
@@ -86,8 +84,8 @@ def _differentiable(kernel: Callable) -> Callable:
 
 panel_linear = _differentiable(_panels)
 panel_linear.__doc__ = """``x W^T + b`` by the panel kernel (``cpu_linear.c``; the weight
-packed at each call, as a trainer's changes under it), differentiable in all three
-(float32 or bfloat16): each output row the bits the engine's panels give it."""
+packed as ``_packed`` says), differentiable in all three (float32 or bfloat16): each output
+row the bits the engine's panels give it."""
 triton_linear = _differentiable(_triton)
 triton_linear.__doc__ = """``x W^T + b`` by the batch-invariant Triton kernel
 (``triton_linear.py``), differentiable in all three."""

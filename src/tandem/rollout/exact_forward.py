@@ -25,6 +25,7 @@ from torch.func import functional_call
 
 from tandem.kernels import AttentionMetadata, KernelOps
 from tandem.kernels.differentiable import panel_linear, training_ops, triton_linear
+from tandem.sync.lora import LoraFactors
 
 from .models import ARCHITECTURES, architecture_of
 from .models.llama import LlamaForCausalLM
@@ -85,15 +86,15 @@ class ExactForward:
     def _tensors(self) -> dict[str, torch.Tensor]:
         """The trainer's tensors under the twin's names, LoRA adapters merged in as the
         engine merges them."""
-        tensors, factors = {}, {}
+        tensors, pairs = {}, {}
         for name, param in self.model.named_parameters():
             name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
             lora = _LORA.match(name)
             if lora:
-                factors.setdefault(lora[1], {})[lora[2]] = param
+                pairs.setdefault(lora[1], {})[lora[2]] = param
             else:
                 tensors[name] = param
-        for module, pair in factors.items():
+        for module, pair in pairs.items():
             scale = _lora_scale(self.lora_layers[module])
             if scale is None:  # the adapter disabled (the reference pass)
                 continue
@@ -103,8 +104,8 @@ class ExactForward:
                 tensors[f"{module}.lora_b"] = pair["B"].to(base.dtype)
                 self.twin_layers[module].lora_scale = scale
                 continue
-            merged = base.float() + (pair["B"].float() @ pair["A"].float()) * scale
-            tensors[f"{module}.weight"] = merged.to(base.dtype)
+            factors = LoraFactors(pair["A"].float(), pair["B"].float(), scale)
+            tensors[f"{module}.weight"] = factors.merged(base).to(base.dtype)
         return tensors
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
