@@ -22,7 +22,7 @@ from collections.abc import Callable
 from common import DTYPES, model_folder, print_table, setup_torch
 from grpo_cpu import WORKLOADS, build_workload, tandem_call
 
-from tandem.rollout import block_manager
+from tandem.rollout.core import block_manager
 
 Key = tuple[bytes | None, tuple[int, int | None], tuple[int, ...]]
 

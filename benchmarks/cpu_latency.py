@@ -67,7 +67,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from vllm_reference import ReferenceRequest, run_reference
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.memory import CPU_KV_CACHE_BYTES
+from tandem.rollout.worker.memory import CPU_KV_CACHE_BYTES
 
 MESSAGE = "What is 17*4?"
 NEW_TOKENS = 128

@@ -13,8 +13,8 @@ from transformers import Qwen3Config
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, pool_layout, select_kernels
 from tandem.kernels.testing import TOLERANCE, relative_error
-from tandem.rollout.block_manager import num_blocks_for
-from tandem.rollout.models.rotary import RotaryEmbedding
+from tandem.rollout.core.block_manager import num_blocks_for
+from tandem.rollout.worker.models.rotary import RotaryEmbedding
 
 
 def paged_inputs(shape: dict, context_lens: list[int], query_lens: list[int], num_decodes: int,

@@ -31,7 +31,7 @@ from serve_client import free_port, serve_level, wait_healthy
 from tandem.rollout import SamplingParams
 from tandem.rollout.structured_outputs import StructuredOutputsParams
 
-CLI = [sys.executable, "-m", "tandem.trainers.cli"]  # tandem.cli where the project is installed
+CLI = [sys.executable, "-m", "tandem.cli"]  # tandem.cli where the project is installed
 
 
 def check_ipc(rec: Recorder, folder: Path) -> None:

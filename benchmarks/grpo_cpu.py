@@ -124,7 +124,7 @@ from transformers import (
 from vllm_reference import ReferenceRequest, run_reference
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.memory import CPU_KV_CACHE_BYTES
+from tandem.rollout.worker.memory import CPU_KV_CACHE_BYTES
 
 GRPO_MESSAGES = [
     "What is 2+3?",

@@ -46,7 +46,7 @@ from common import print_table, setup_torch, timed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout import model_runner as model_runner_module
+from tandem.rollout.worker import model_runner as model_runner_module
 
 TARGET_MS = 1.5
 VOCAB_SIZE = 512

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 
-from tandem.rollout.model_runner import ModelRunner
+from tandem.rollout.worker.model_runner import ModelRunner
 
 STEP_MS_VARIABLE = "SERVE_OVERHEAD_STEP_MS"
 
@@ -39,6 +39,6 @@ if STEP_MS_VARIABLE in os.environ:
     pad_steps(float(os.environ[STEP_MS_VARIABLE]))
 
 if __name__ == "__main__":
-    from tandem.trainers.cli import main
+    from tandem.cli import main
 
     sys.exit(main(sys.argv[1:]))

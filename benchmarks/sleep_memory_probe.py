@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tandem.rollout.releasable_memory import ReleasableMemory
-from tandem.rollout.weight_offload import OffloadableWeights
+from tandem.rollout.worker.releasable_memory import ReleasableMemory
+from tandem.rollout.worker.weight_offload import OffloadableWeights
 
 GIB = 1 << 30
 SLACK = 0.95  # of the expected bytes, for what mem_get_info reports freed or taken

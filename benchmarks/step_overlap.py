@@ -31,7 +31,7 @@ from common import print_table, setup_torch
 from host_overhead import build_engine, null_forward, prefill, save_tiny_model
 
 from tandem.rollout import LLM
-from tandem.rollout.model_runner import ModelRunner
+from tandem.rollout.worker.model_runner import ModelRunner
 
 DEVICE_MS = {1: 0.35, 64: 2.0, 256: 6.0}
 TARGET_BUSY = 0.9

@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tandem.rollout.tensor_parallel import local_slice
+from tandem.rollout.parallel.tensor_parallel import local_slice
 from tandem.trainers.config import load_config
 from tandem.trainers.data_parallel import full_named_parameters, shutdown
 from tandem.trainers.trainer import Trainer

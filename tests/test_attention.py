@@ -7,7 +7,7 @@ import torch
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, CascadeLayout, block_runs, pool_layout
 from tandem.kernels.testing import TOLERANCE, kernel_backends, relative_error
-from tandem.rollout.block_manager import num_blocks_for
+from tandem.rollout.core.block_manager import num_blocks_for
 
 # On a CPU the Triton kernels run in Triton's interpreter (conftest switches it on).
 BACKENDS = kernel_backends(torch.device("cpu"))

@@ -21,10 +21,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tandem.rollout import block_manager
-from tandem.rollout.block_manager import BlockManager, num_blocks_for
+from tandem.rollout.core import block_manager
+from tandem.rollout.core.block_manager import BlockManager, num_blocks_for
+from tandem.rollout.core.sequence import Sequence
 from tandem.rollout.sampling_params import SamplingParams
-from tandem.rollout.sequence import Sequence
 
 NUM_BLOCKS, BLOCK_SIZE = 16, 4
 # A three-letter alphabet makes shared prefixes, and so cache hits, common.

@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, pool_layout
 from tandem.rollout import SamplingParams
-from tandem.rollout.attention_layout import cascade_layout
-from tandem.rollout.block_manager import BlockManager, num_blocks_for
-from tandem.rollout.scheduled_batch import DecodeGroup, ScheduledBatch
-from tandem.rollout.sequence import Sequence
+from tandem.rollout.core.block_manager import BlockManager, num_blocks_for
+from tandem.rollout.core.scheduled_batch import DecodeGroup, ScheduledBatch
+from tandem.rollout.core.sequence import Sequence
+from tandem.rollout.worker.attention_layout import cascade_layout
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 200

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 
-from tandem.rollout import cuda_driver as driver
+from tandem.rollout.worker import cuda_driver as driver
 
 
 def offsets(structure: type[ctypes.Structure]) -> dict[str, int]:

@@ -7,7 +7,7 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 from tandem.rollout import LLM
-from tandem.rollout.cuda_graphs import (
+from tandem.rollout.worker.cuda_graphs import (
     DecodeGraphs,
     graph_addresses,
     graph_batch_sizes,

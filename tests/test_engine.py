@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams, block_manager
+from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
+from tandem.rollout.core import block_manager
 
 from .conftest import count_tokenizations
 
@@ -199,7 +200,7 @@ def test_cpu_engine_tunes_malloc_unless_told_not_to(llama_dir, monkeypatch, tune
 def test_glibc_accepts_the_malloc_settings():
     import platform
 
-    from tandem.rollout.cpu_allocator import keep_freed_memory
+    from tandem.rollout.worker.cpu_allocator import keep_freed_memory
 
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("mallopt is glibc's")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.rollout import LLM, EngineConfig, LLMEngine, SamplingParams
-from tandem.rollout.sequence import child_seed
+from tandem.rollout.core.sequence import child_seed
 
 
 def prompt_of(length: int, offset: int = 0) -> list[int]:

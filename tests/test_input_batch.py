@@ -9,14 +9,14 @@ import random
 import pytest
 import torch
 
-from tandem.rollout.block_manager import BlockManager
-from tandem.rollout.held import HeldSequences
-from tandem.rollout.input_batch import InputBatch
+from tandem.rollout.core.block_manager import BlockManager
+from tandem.rollout.core.held import HeldSequences
+from tandem.rollout.core.scheduled_batch import ScheduledBatch
+from tandem.rollout.core.scheduler import Scheduler
+from tandem.rollout.core.sequence import Request
 from tandem.rollout.outputs import SamplerOutput
 from tandem.rollout.sampling_params import SamplingParams
-from tandem.rollout.scheduled_batch import ScheduledBatch
-from tandem.rollout.scheduler import Scheduler
-from tandem.rollout.sequence import Request
+from tandem.rollout.worker.input_batch import InputBatch
 
 BLOCK_SIZE = 4
 

@@ -18,8 +18,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from tandem.kernels.testing import TOLERANCE, kernel_backends, relative_error
-from tandem.rollout.models.llama import head_dim_of
-from tandem.rollout.models.rotary import RotaryEmbedding
+from tandem.rollout.worker.models.llama import head_dim_of
+from tandem.rollout.worker.models.rotary import RotaryEmbedding
 
 # On a CPU the Triton kernels run in Triton's interpreter (conftest switches it on).
 BACKENDS = kernel_backends(torch.device("cpu"))

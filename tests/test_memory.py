@@ -28,11 +28,12 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, LlamaConfig
 
 from tandem.rollout import engine as engine_module
-from tandem.rollout.block_manager import num_blocks_for
 from tandem.rollout.config import EngineConfig
-from tandem.rollout.cuda_graphs import graph_batch_sizes
+from tandem.rollout.core.block_manager import num_blocks_for
+from tandem.rollout.core.scheduler import MAX_SCORED_TOKENS
 from tandem.rollout.engine import LLMEngine
-from tandem.rollout.memory import (
+from tandem.rollout.worker.cuda_graphs import graph_batch_sizes
+from tandem.rollout.worker.memory import (
     CPU_KV_CACHE_BYTES,
     activation_bytes,
     graph_pool_bytes,
@@ -40,8 +41,7 @@ from tandem.rollout.memory import (
     plan_memory,
     size_kv_cache,
 )
-from tandem.rollout.model_runner import ModelRunner
-from tandem.rollout.scheduler import MAX_SCORED_TOKENS
+from tandem.rollout.worker.model_runner import ModelRunner
 
 GIB = 1 << 30
 CONFIG = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.rollout import LLM, SamplingParams, model_runner
-from tandem.rollout.cuda_driver import CudaDriverError
-from tandem.rollout.releasable_memory import ReleasableMemory
+from tandem.rollout import LLM, SamplingParams
+from tandem.rollout.worker import model_runner
+from tandem.rollout.worker.cuda_driver import CudaDriverError
+from tandem.rollout.worker.releasable_memory import ReleasableMemory
 
 CPU = torch.device("cpu")
 PAGE = mmap.PAGESIZE

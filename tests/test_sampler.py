@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.sampler import Sampler, seeded_uniforms
-from tandem.rollout.sequence import Sequence
+from tandem.rollout.core.sequence import Sequence
+from tandem.rollout.worker.sampler import Sampler, seeded_uniforms
 
 
 @pytest.fixture(scope="module")

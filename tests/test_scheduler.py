@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from tandem.rollout import LLM, SamplingParams
-from tandem.rollout.block_manager import BlockManager
-from tandem.rollout.held import HeldSequences
+from tandem.rollout.core.block_manager import BlockManager
+from tandem.rollout.core.held import HeldSequences
+from tandem.rollout.core.scheduler import MAX_SCORED_TOKENS, Scheduler
+from tandem.rollout.core.sequence import Sequence
 from tandem.rollout.outputs import SamplerOutput
-from tandem.rollout.scheduler import MAX_SCORED_TOKENS, Scheduler
-from tandem.rollout.sequence import Sequence
 
 PROMPTS = ["What is 2+3? The answer is", "The quick brown fox jumps over the lazy dog. " * 3,
            "def add(a, b):\n    return a + b\n" * 2, "Seven"]

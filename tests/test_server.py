@@ -445,7 +445,7 @@ def serve_command(folder, *options: str) -> Iterator[tuple[subprocess.Popen, str
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "tandem.trainers.cli", "serve", str(folder), "--port", str(port),
+        [sys.executable, "-m", "tandem.cli", "serve", str(folder), "--port", str(port),
          "--num-kv-blocks", "64", *options],
         env=os.environ | {"OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE)

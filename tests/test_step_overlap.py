@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.rollout import Continuation, EngineConfig, LLMEngine, SamplingParams
-from tandem.rollout.model_runner import ModelRunner
 from tandem.rollout.structured_outputs import StructuredOutputsParams
+from tandem.rollout.worker.model_runner import ModelRunner
 
 from .test_weight_update import trainer_model
 

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from tandem.rollout import LLM, Continuation, SamplingParams
-from tandem.rollout.tensor_parallel import check_tensor_parallel, rank_device
-from tandem.rollout.tp_executor import TensorParallelError
+from tandem.rollout.parallel.executor import TensorParallelError
+from tandem.rollout.parallel.tensor_parallel import check_tensor_parallel, rank_device
 from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
 from tandem.trainers.config import (
     LoggingConfig,

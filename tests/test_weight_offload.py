@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tandem.rollout.weight_offload import ALIGNMENT, OffloadableWeights, parameter_offsets
+from tandem.rollout.worker.weight_offload import ALIGNMENT, OffloadableWeights, parameter_offsets
 
 CPU = torch.device("cpu")
 

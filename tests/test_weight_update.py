@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, EngineAsleepError, LLMEngine, SamplingParams, WeightUpdateError
 from tandem.rollout.config import EngineConfig
-from tandem.rollout.weight_offload import OffloadableWeights
+from tandem.rollout.worker.weight_offload import OffloadableWeights
 from tandem.sync.protocol import check_all_finite, check_finite
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)

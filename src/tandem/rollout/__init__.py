@@ -3,9 +3,9 @@
 from tandem.sync import WeightUpdateError
 
 from .config import EngineConfig
+from .core.held import Continuation
 from .engine import LLMEngine
 from .errors import EngineAsleepError
-from .held import Continuation
 from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams

@@ -16,24 +16,24 @@ from transformers import AutoConfig
 from tandem.sync import WeightUpdate
 
 from . import sleep_mode
-from .block_manager import BlockManager
 from .config import EngineConfig
-from .cpu_allocator import keep_freed_memory
+from .core.block_manager import BlockManager
+from .core.held import Continuation, HeldSequences
+from .core.scheduler import Scheduler
+from .core.sequence import Request, Sequence
 from .default_model import resolve_model
 from .engine_stats import SleepWakeSeconds, engine_stats
 from .errors import EngineAsleepError
-from .held import Continuation, HeldSequences
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
-from .memory import size_kv_cache
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
-from .models import architecture_of
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
+from .parallel.executor import make_runner
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Request, Sequence
 from .step_overlap import StepOverlap
-from .tp_executor import make_runner
+from .worker.cpu_allocator import keep_freed_memory
+from .worker.memory import size_kv_cache
+from .worker.models import architecture_of
 
 EnginePrompt = Prompt | ProcessedPrompt | Continuation
 

@@ -15,12 +15,12 @@ from transformers import PreTrainedTokenizerBase
 from tandem.sync import WeightUpdate
 
 from .config import EngineConfig
+from .core.held import Continuation
 from .engine import LLMEngine
-from .exact_forward import ExactForward
-from .held import Continuation
 from .input_processor import Prompt
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
+from .worker.exact_forward import ExactForward
 
 Conversation = list[dict[str, str]]
 LLMPrompt = Prompt | Continuation

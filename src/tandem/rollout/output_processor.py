@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
+from .core.sequence import Request, Sequence
 from .outputs import CompletionOutput, RequestOutput
-from .sequence import Request, Sequence
 
 
 @dataclass(slots=True)

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .device_sample import HostCopy
-from .model_runner import ModelRunner
+from .core.scheduled_batch import ScheduledBatch
+from .core.scheduler import Scheduler
+from .core.sequence import Sequence
 from .sampling_params import SamplingParams
-from .scheduled_batch import ScheduledBatch
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .worker.device_sample import HostCopy
+from .worker.model_runner import ModelRunner
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from .sequence import Sequence
+    from .core.sequence import Sequence
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 XGRAMMAR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?")

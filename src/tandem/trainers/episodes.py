@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from transformers import PreTrainedTokenizerBase
 
 from tandem.rollout import Continuation, LLMEngine, RequestOutput, SamplingParams
-from tandem.rollout.sequence import child_seed
+from tandem.rollout.core.sequence import child_seed
 
 from .environments import Environment, EnvStep, Message, check_step
 from .tasks import Example

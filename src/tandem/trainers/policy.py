@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.rollout.exact_forward import ExactForward
-from tandem.rollout.sampler import apply_top_k, apply_top_p
 from tandem.rollout.structured_outputs import Grammar, grammar_bitmasks, unpack_bitmask
+from tandem.rollout.worker.exact_forward import ExactForward
+from tandem.rollout.worker.sampler import apply_top_k, apply_top_p
 
 
 @dataclass(slots=True)

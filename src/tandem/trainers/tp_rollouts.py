@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.rollout.tensor_parallel import TensorParallel
+from tandem.rollout.parallel.tensor_parallel import TensorParallel
 
 from .config import TrainConfig
 from .data_parallel import DistributedContext

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from tandem.kernels.cpu_threads import bind_threads
 from tandem.sync import WeightReceiver
 
+from ..core.sequence import Request, Sequence
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..sequence import Request, Sequence
 from .core_messages import CallResult, CoreCall, StepFailed, StepReport, TokenDelta
 
 Emit = Callable[[object], None]

@@ -16,9 +16,9 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 
+from ..outputs import SamplerOutput
 from .block_manager import BlockManager
 from .held import HeldSequences
-from .outputs import SamplerOutput
 from .scheduled_batch import DecodeGroup, ScheduledBatch, live_seqs
 from .sequence import Sequence, SequenceStatus
 

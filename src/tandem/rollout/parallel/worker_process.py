@@ -1,6 +1,7 @@
-"""A tensor-parallel worker: ``python -m tandem.rollout.tp_worker '<JSON arguments>'``.
+"""A tensor-parallel worker process, started as
+``python -m tandem.rollout.parallel.worker_process '<JSON arguments>'``.
 
-Started by the driver (``tp_executor.Workers``) with the model folder, its rank and the
+Started by the driver (``executor.Workers``) with the model folder, its rank and the
 driver's store port. It joins the engine's groups on its device (on CUDA the one ``rank``
 places after the driver's), loads its shard of the weights, and
 then does what each broadcast message says, until ``shutdown``. Any error ends the process
@@ -19,10 +20,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from . import tp_wire
-from .config import DTYPES
-from .input_batch import StepInputs
-from .model_runner import ModelRunner
+from ..config import DTYPES
+from ..worker.input_batch import StepInputs
+from ..worker.model_runner import ModelRunner
+from . import wire
 from .tensor_parallel import TensorParallel, device_group, rank_device
 
 # What a message may ask of the worker's runner (and nothing else).
@@ -49,7 +50,7 @@ def serve(args: dict[str, Any]) -> None:
                          args["enforce_eager"], args["max_num_seqs"], tp,
                          exact_logprobs=args["exact_logprobs"])
     while True:
-        op, payload = tp_wire.receive(group, device)
+        op, payload = wire.receive(group, device)
         if op == "shutdown":
             return
         if op == "step":

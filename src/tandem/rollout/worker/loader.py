@@ -15,7 +15,7 @@ from typing import BinaryIO
 import torch
 from torch import nn
 
-from .tensor_parallel import TensorParallel, local_shape, local_slice
+from ..parallel.tensor_parallel import TensorParallel, local_shape, local_slice
 
 # Buffers some checkpoints carry that Tandem recomputes instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

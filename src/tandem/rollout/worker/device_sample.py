@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .outputs import SamplerOutput
+from ..outputs import SamplerOutput
 
 PromptLogprobs = dict[int, list[dict[int, float]]]
 

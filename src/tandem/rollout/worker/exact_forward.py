@@ -27,9 +27,9 @@ from tandem.kernels import AttentionMetadata, KernelOps
 from tandem.kernels.differentiable import panel_linear, training_ops, triton_linear
 from tandem.sync.lora import LoraFactors
 
+from ..parallel.tensor_parallel import TensorParallel
 from .models import ARCHITECTURES, architecture_of
 from .models.llama import LlamaForCausalLM
-from .tensor_parallel import TensorParallel
 
 _LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
 _PEFT_PREFIX = "base_model.model."

@@ -2,14 +2,15 @@
 every operation on them too (vLLM's multiprocess executor is the model).
 
 The driver (rank 0, the engine's own process) schedules, runs its shard and samples. It
-starts ``size - 1`` workers (``python -m tandem.rollout.tp_worker``, arguments as JSON),
-which join the engine's groups (``tensor_parallel``) through a TCP store on 127.0.0.1
-(independent of any default process group, so a trainer's torch.distributed is untouched).
-Each step the driver broadcasts the step's tensors (``tp_wire``, over gloo); the workers run
-their shards (or replay their decode graphs, captured together with the driver's), the
-all-reduces meet, and the LM head's vocabulary slices are gathered on the driver. A worker
-that dies or stops answering is reported within ``timeout`` as a ``TensorParallelError``
-naming it; the workers are shut down when the runner is collected or the process exits.
+starts ``size - 1`` workers (``python -m tandem.rollout.parallel.worker_process``, arguments
+as JSON), which join the engine's groups (``tensor_parallel``) through a TCP store on
+127.0.0.1 (independent of any default process group, so a trainer's torch.distributed is
+untouched). Each step the driver broadcasts the step's tensors (``wire.py``, over gloo); the
+workers run their shards (or replay their decode graphs, captured together with the
+driver's), the all-reduces meet, and the LM head's vocabulary slices are gathered on the
+driver. A worker that dies or stops answering is reported within ``timeout`` as a
+``TensorParallelError`` naming it; the workers are shut down when the runner is collected or
+the process exits.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from transformers import PretrainedConfig
 
 from tandem.sync.protocol import WeightUpdateError
 
-from . import tp_wire
-from .config import EngineConfig
-from .input_batch import StepInputs
-from .model_runner import ModelRunner
+from ..config import EngineConfig
+from ..worker.input_batch import StepInputs
+from ..worker.model_runner import ModelRunner
+from . import wire
 from .tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,
@@ -88,7 +89,7 @@ class Workers:
         timeout = timedelta(seconds=self.timeout)
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
         self.processes = [subprocess.Popen(
-            [sys.executable, "-m", "tandem.rollout.tp_worker", json.dumps(
+            [sys.executable, "-m", "tandem.rollout.parallel.worker_process", json.dumps(
                 {**spec, "rank": rank, "size": size, "port": store.port,
                  "timeout": self.timeout})]) for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop, self.processes)
@@ -120,7 +121,7 @@ class Workers:
         """
         self.check()
         try:
-            tp_wire.send(self.tp.group, op, payload)
+            wire.send(self.tp.group, op, payload)
         except RuntimeError as exc:
             raise self.failure(exc) from exc
 
@@ -146,7 +147,7 @@ class Workers:
         """Ask the workers to exit, then make sure they did."""
         try:
             if all(process.poll() is None for process in self.processes):
-                tp_wire.send(self.tp.group, "shutdown", {})
+                wire.send(self.tp.group, "shutdown", {})
         except RuntimeError:
             pass
         self._finalizer()

@@ -11,7 +11,7 @@ import torch
 
 from tandem.kernels import CascadeLayout, block_runs
 
-from .scheduled_batch import ScheduledBatch
+from ..core.scheduled_batch import ScheduledBatch
 
 
 def long_tensor(values: list, device: torch.device) -> torch.Tensor:

@@ -24,7 +24,7 @@ from tandem.kernels.cpu_build import cache_dir
 from tandem.kernels.cpu_linear import PackedWeight
 from tandem.kernels.differentiable import panel_linear
 
-from ..tensor_parallel import TensorParallel, local_heads, shard_range, vocab_per_rank
+from ...parallel.tensor_parallel import TensorParallel, local_heads, shard_range, vocab_per_rank
 from .rotary import RotaryEmbedding
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table

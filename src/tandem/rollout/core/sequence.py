@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .sampling_params import SamplingParams
-from .structured_outputs import Grammar
+from ..sampling_params import SamplingParams
+from ..structured_outputs import Grammar
 
 
 class SequenceStatus(Enum):

@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.sequence import Sequence
+from ..outputs import SamplerOutput
+from ..structured_outputs import apply_grammar_masks
 from .attention_layout import long_tensor, to_device
 from .device_sample import DeviceSample
-from .outputs import SamplerOutput
-from .sequence import Sequence
-from .structured_outputs import apply_grammar_masks
 
 
 class Sampler:

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import PretrainedConfig
 
-from .block_manager import num_blocks_for
-from .config import EngineConfig
+from ..config import EngineConfig
+from ..core.block_manager import num_blocks_for
+from ..core.scheduler import MAX_SCORED_TOKENS
+from ..parallel.tensor_parallel import local_heads
 from .models.llama import head_dim_of
-from .scheduler import MAX_SCORED_TOKENS
-from .tensor_parallel import local_heads
 
 GRAPH_OVERHEAD_BYTES = 4 << 20
 CPU_KV_CACHE_BYTES = 1 << 30

@@ -7,7 +7,7 @@ from transformers import PretrainedConfig
 
 from tandem.kernels import KernelOps
 
-from ..tensor_parallel import TensorParallel
+from ...parallel.tensor_parallel import TensorParallel
 from .llama import ArchitectureSpec, LlamaForCausalLM
 from .rotary import check_rope_type
 

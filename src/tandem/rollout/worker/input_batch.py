@@ -18,9 +18,9 @@ import torch
 
 from tandem.kernels import AttentionMetadata
 
+from ..core.scheduled_batch import ScheduledBatch
+from ..core.sequence import Sequence
 from .attention_layout import cascade_layout, long_tensor, to_device
-from .scheduled_batch import ScheduledBatch
-from .sequence import Sequence
 
 ScoredPositions = list[tuple[int, int, int]]  # (batch row, first, end) prompt positions
 Updates = tuple[list[int], list[int], list[int]]  # rows, columns, values of table entries

@@ -22,8 +22,17 @@ from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
 from tandem.kernels.cpu_build import MAX_GROUP, MAX_HEAD_DIM
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
+from ..core.block_manager import num_blocks_for
+from ..core.scheduled_batch import ScheduledBatch
+from ..core.sequence import Sequence
+from ..parallel.tensor_parallel import (
+    TensorParallel,
+    full_from_slices,
+    local_heads,
+    local_slice,
+    lora_slice,
+)
 from .attention_layout import long_tensor
-from .block_manager import num_blocks_for
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
 from .device_sample import HostCopy
 from .input_batch import InputBatch, ScoredPositions, StepInputs
@@ -32,15 +41,6 @@ from .models import build_model
 from .models.llama import LoraLinear, head_dim_of
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
-from .scheduled_batch import ScheduledBatch
-from .sequence import Sequence
-from .tensor_parallel import (
-    TensorParallel,
-    full_from_slices,
-    local_heads,
-    local_slice,
-    lora_slice,
-)
 from .weight_offload import OffloadableWeights
 
 
