@@ -37,15 +37,14 @@ import time
 
 from common import DTYPES, model_folder, print_table, setup_torch
 
-from tandem.kernels import CPU_OPS, TORCH_OPS
+from tandem.kernels import CPU_OPS, TORCH_OPS, KernelOps
 from tandem.rollout import LLM, SamplingParams
 
 # Each variant: the engine's attention_backend, and the kernels its layers are switched to.
 VARIANTS = {
     "torch": ("torch", TORCH_OPS),
-    "C attention": ("cpu", dataclasses.replace(
-        CPU_OPS, rms_norm=TORCH_OPS.rms_norm, rotary_embedding=TORCH_OPS.rotary_embedding,
-        silu_and_mul=TORCH_OPS.silu_and_mul, store_kv=TORCH_OPS.store_kv)),
+    "C attention": ("cpu", KernelOps(dataclasses.replace(
+        CPU_OPS.attention, store_kv=TORCH_OPS.store_kv), TORCH_OPS.layers)),
     "cpu": ("cpu", CPU_OPS),
 }
 ONE = SamplingParams(temperature=0, max_tokens=64, min_tokens=64)

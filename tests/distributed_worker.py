@@ -28,7 +28,8 @@ def shard_diff(trainer: Trainer) -> float:
     runner = trainer.llm.engine.runner
     full = dict(full_named_parameters(trainer.policy.model))
     local = dict(runner.model.named_parameters())
-    return max(float((local[name] - local_slice(name, full[name], runner.model.config,
+    split = {name: target.split for name, target in runner.weight_spec.items()}
+    return max(float((local[name] - local_slice(split[name], full[name], runner.model.config,
                                                runner.tp)).abs().max())
                for name in local if name in full)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.kernels import AttentionMetadata
+from tandem.kernels import TORCH_OPS, AttentionMetadata
 from tandem.rollout import LLM
 from tandem.rollout.worker.cuda_graphs import (
     DecodeGraphs,
@@ -40,15 +40,16 @@ def decode_step(context_lens: list[int], block_tables: list[list[int]]):
 
 
 def test_staging_pads_rows_past_the_batch_with_slot_minus_one_and_empty_context():
-    graphs = DecodeGraphs([1, 2, 4, 8], max_blocks_per_seq=5, device=torch.device("cpu"))
+    graphs = DecodeGraphs([1, 2, 4, 8], max_blocks_per_seq=5, device=torch.device("cpu"),
+                          backend=TORCH_OPS.attention)
     graphs.stage(*decode_step([30, 31, 32, 33, 34, 35], [[1, 2]] * 6))
     size = graphs.stage(*decode_step([40, 17, 3], [[3, 4, 5], [6, 7, 0], [8, 0, 0]]))
     assert size == 4
-    assert graphs.slot_mapping[:4].tolist() == [140, 117, 103, -1]
-    assert graphs.context_lens[:4].tolist() == [40, 17, 3, 0]
+    assert graphs.buffers.slot_mapping[:4].tolist() == [140, 117, 103, -1]
+    assert graphs.buffers.context_lens[:4].tolist() == [40, 17, 3, 0]
     assert graphs.input_ids[:3].tolist() == [7, 8, 9]
     assert graphs.positions[:3].tolist() == [39, 16, 2]
-    assert graphs.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 0], [8, 0, 0]]
+    assert graphs.buffers.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 0], [8, 0, 0]]
     metadata = graphs.metadata(size)
     assert metadata.num_decodes == 4 and metadata.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
 
@@ -70,7 +71,7 @@ def test_graph_addresses_change_when_a_tensor_moves_not_when_it_is_written(llama
         runner.kv_cache.fill_(1.0)
     assert graph_addresses(model, runner.kv_cache) == captured
     assert graph_addresses(model, runner.kv_cache.clone()) != captured
-    rotary = model.model.rotary_emb
+    rotary = model.rotary_emb
     cos, rotary.cos = rotary.cos, rotary.cos.clone()
     assert graph_addresses(model, runner.kv_cache) != captured
     rotary.cos = cos

@@ -20,7 +20,17 @@ def test_auto_is_the_compiled_kernel_on_cpu_and_forced_backends_are_honoured():
     assert select_kernels("auto", torch.device("cpu")) is CPU_OPS
     assert select_kernels("torch", torch.device("cpu")) is TORCH_OPS
     assert select_kernels("torch", torch.device("cuda")) is TORCH_OPS
-    assert select_kernels("triton", torch.device("cpu")).name == "triton"
+    triton = select_kernels("triton", torch.device("cpu"))
+    assert (triton.attention.name, triton.layers.name) == ("triton", "triton")
+
+
+def test_each_backend_declares_what_the_runner_asks_of_it():
+    triton = select_kernels("triton", torch.device("cpu"))
+    assert triton.attention.captures_graphs and not triton.layers.cpu_linear_layouts
+    assert triton.layers.batch_invariant_linear is not None
+    assert not CPU_OPS.attention.captures_graphs and CPU_OPS.layers.cpu_linear_layouts
+    assert TORCH_OPS.attention.cascade and not TORCH_OPS.attention.shards
+    assert CPU_OPS.rms_norm is CPU_OPS.layers.rms_norm  # one lookup from a layer
 
 
 def test_auto_is_torch_on_cpu_without_a_compiler(monkeypatch):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from unittest import mock
 
@@ -28,7 +29,7 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, LlamaConfig
 
 from tandem.rollout import engine as engine_module
-from tandem.rollout.config import EngineConfig
+from tandem.rollout.config import EngineConfig, WorkerConfig
 from tandem.rollout.core.block_manager import num_blocks_for
 from tandem.rollout.core.scheduler import MAX_SCORED_TOKENS
 from tandem.rollout.engine import LLMEngine
@@ -170,8 +171,9 @@ def test_block_bytes_are_the_bytes_per_block_of_the_pool_the_runner_allocates(mo
                                                                                dtype):
     folder = model_dir(kind)
     hf_config = AutoConfig.from_pretrained(folder)
-    runner = ModelRunner(hf_config, folder, dtype, torch.device("cpu"), max_model_len=64,
-                         block_size=BLOCK_SIZE, eos_token_ids={1}, seed=0)
+    config = WorkerConfig(str(folder), str(dtype).removeprefix("torch."), "cpu",
+                          max_model_len=64, block_size=BLOCK_SIZE, eos_token_ids=(1,))
+    runner = ModelRunner(config, hf_config)
     runner.allocate_kv_cache(7)
     assert runner.kv_cache_bytes() == 7 * kv_block_bytes(hf_config, BLOCK_SIZE, dtype)
 
@@ -305,13 +307,10 @@ def test_cuda_share_one_block_short_of_a_max_model_len_sequence_is_refused_namin
         assert fragment in str(error.value)
 
 
-def cpu_runner_for_cuda(config: EngineConfig, hf_config, model_dir, dtype, max_model_len: int,
-                        eos_token_ids: set[int]) -> ModelRunner:
+def cpu_runner_for_cuda(config: WorkerConfig, hf_config, size: int, spmd: bool) -> ModelRunner:
     """The runner a CUDA engine would build, on the CPU: the decode graph sizes it would
     capture (not captured: no device) with the reference kernels."""
-    runner = ModelRunner(hf_config, model_dir, dtype, torch.device("cpu"), max_model_len,
-                         config.block_size, eos_token_ids, config.seed, "torch",
-                         max_num_seqs=config.max_num_seqs)
+    runner = ModelRunner(replace(config, device="cpu", attention_backend="torch"), hf_config)
     runner.graph_sizes = graph_batch_sizes(config.max_num_seqs)
     runner.capture_graphs = lambda: None
     return runner

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from tandem.kernels import check_sharded, select_kernels
 from tandem.rollout import LLM, Continuation, SamplingParams
 from tandem.rollout.parallel.executor import TensorParallelError
 from tandem.rollout.parallel.tensor_parallel import check_tensor_parallel, rank_device
@@ -274,16 +275,22 @@ def test_tp_on_cuda_takes_one_device_per_rank_from_the_driver_s():
     assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")
 
 
-@pytest.mark.parametrize("device, backend, spmd, match", [
-    ("cuda:1", "auto", False, "exceeds the 1 CUDA devices from cuda:1"),
-    ("cuda:0", "torch", False, "runs the Triton kernels"),
-    ("cuda:1", "auto", True, None),  # a torchrun rank's own device: any of them
-    ("cuda:0", "triton", False, None),
+@pytest.mark.parametrize("device, spmd, match", [
+    ("cuda:1", False, "exceeds the 1 CUDA devices from cuda:1"),
+    ("cuda:1", True, None),  # a torchrun rank's own device: any of them
+    ("cuda:0", False, None),
 ])
-def test_tp_on_cuda_is_checked_against_the_devices(device, backend, spmd, match, monkeypatch):
+def test_tp_on_cuda_is_checked_against_the_devices(device, spmd, match, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with nullcontext() if match is None else pytest.raises(ValueError, match=match):
-        check_tensor_parallel(2, LlamaConfig(**SMALL), torch.device(device), backend, spmd)
+        check_tensor_parallel(2, LlamaConfig(**SMALL), torch.device(device), spmd)
+
+
+def test_tp_on_cuda_refuses_kernels_that_do_not_shard():
+    cuda = torch.device("cuda")
+    with pytest.raises(ValueError, match="needs an attention backend that shards"):
+        check_sharded(select_kernels("torch", cuda), cuda)
+    check_sharded(select_kernels("torch", torch.device("cpu")), torch.device("cpu"))
 
 
 def test_groups_prefix_hits_and_structured_outputs_under_tp(model_dir):

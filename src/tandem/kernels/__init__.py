@@ -10,13 +10,26 @@ from .attention import (
                         AttentionMetadata,
                         BlockRuns,
                         CascadeLayout,
+                        DecodeBuffers,
                         block_runs,
                         paged_attention,
                         pool_layout,
                         store_kv,
 )
-from .dispatch import BACKENDS, CPU_OPS, TORCH_OPS, KernelOps, check_backend, select_kernels
+from .dispatch import (
+                       BACKENDS,
+                       CPU_OPS,
+                       TORCH_OPS,
+                       AttentionBackend,
+                       KernelOps,
+                       LayerKernels,
+                       batch_invariance_gap,
+                       check_backend,
+                       check_sharded,
+                       select_kernels,
+)
 
-__all__ = ["BACKENDS", "CPU_OPS", "TORCH_OPS", "AttentionMetadata", "BlockRuns", "CascadeLayout",
-           "KernelOps", "block_runs", "check_backend", "paged_attention", "pool_layout",
-           "select_kernels", "store_kv"]
+__all__ = ["BACKENDS", "CPU_OPS", "TORCH_OPS", "AttentionBackend", "AttentionMetadata",
+           "BlockRuns", "CascadeLayout", "DecodeBuffers", "KernelOps", "LayerKernels",
+           "batch_invariance_gap", "block_runs", "check_backend", "check_sharded",
+           "paged_attention", "pool_layout", "select_kernels", "store_kv"]

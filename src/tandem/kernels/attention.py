@@ -107,6 +107,41 @@ class AttentionMetadata:
     cascade: CascadeLayout | None = None
 
 
+class DecodeBuffers:
+    """The static attention metadata of captured decode steps (``AttentionMetadata``'s
+    format): buffers of ``max_size`` sequences that a step's metadata is copied into, the
+    rows past it padding (slot -1: nothing written; context 0: nothing read)."""
+
+    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
+        self.context_lens = torch.zeros(max_size, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.long,
+                                        device=device)
+        self.cu_seqlens_q = torch.arange(max_size + 1, dtype=torch.long, device=device)
+
+    def metadata(self, size: int) -> AttentionMetadata:
+        """The metadata of a ``size``-sequence decode step, over the buffers."""
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
+            num_decodes=size, max_query_len=1)
+
+    def stage(self, metadata: AttentionMetadata, size: int) -> None:
+        """Copy a decode step's metadata in, its rows up to ``size`` padding."""
+        num_seqs = metadata.context_lens.shape[0]
+        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
+        self.slot_mapping[num_seqs:size].fill_(-1)
+        self.context_lens[:num_seqs].copy_(metadata.context_lens)
+        self.context_lens[num_seqs:size].fill_(0)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+
+    def pad(self) -> None:
+        """Make every row padding (a capture runs over them)."""
+        self.slot_mapping.fill_(-1)
+        self.context_lens.fill_(0)
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool.

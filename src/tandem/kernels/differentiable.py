@@ -28,7 +28,7 @@ from torch.autograd import Function
 
 from . import cpu_linear, layers
 from .attention import AttentionMetadata
-from .dispatch import KernelOps
+from .dispatch import AttentionBackend, KernelOps, LayerKernels
 
 
 class _Linear(Function):
@@ -224,12 +224,20 @@ def training_ops(kernels: KernelOps) -> KernelOps:
         return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale,
                                       kernels.paged_attention)
 
-    return KernelOps(f"{kernels.name}-training", cascade=False, store_kv=_no_pool,
-                     paged_attention=_no_pool, rms_norm=rms_norm,
-                     rotary_embedding=rotary_embedding,
-                     silu_and_mul=lambda gate, up: _SiluAndMul.apply(gate, up,
-                                                                     kernels.silu_and_mul),
+    def silu_and_mul(gate, up):
+        return _SiluAndMul.apply(gate, up, kernels.silu_and_mul)
+
+    layers = kernels.layers
+    return KernelOps(AttentionBackend(f"{kernels.attention.name}-training", _no_pool, _no_pool),
+                     LayerKernels(f"{layers.name}-training", rms_norm, rotary_embedding,
+                                  silu_and_mul, layers.cpu_linear_layouts),
                      causal_attention=causal_attention)
+
+
+def training_linear(kernels: KernelOps) -> Callable[..., torch.Tensor]:
+    """The differentiable twin of the engine's batch-invariant matmul for ``kernels``: the
+    panels where the linear layers use the CPU layouts, the Triton matmul otherwise."""
+    return panel_linear if kernels.layers.cpu_linear_layouts else triton_linear
 
 
 def _no_pool(*args, **kwargs):

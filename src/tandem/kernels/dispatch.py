@@ -2,8 +2,10 @@
 ``cpu_attention.py``; the layer operations, ``cpu_layers.py``) beside the torch references
 for the rest, or the references alone.
 
-A model holds one ``KernelOps`` and calls every kernel through it, so one switch
-(``attention_backend``) moves the whole forward pass between backends. Forcing ``"triton"``
+A model holds one ``KernelOps`` and calls every kernel through it: an ``AttentionBackend``
+(the attention kernels, and what they can do: graph capture, the pool's layout, the static
+metadata of captured steps) and ``LayerKernels`` (norms, rotary, activation, how linear
+layers multiply). One switch (``attention_backend``) picks both today. Forcing ``"triton"``
 on a CPU needs the Triton interpreter (``TRITON_INTERPRET=1`` set before Triton is first
 imported), which runs the very kernels a GPU runs, slowly, on numpy.
 """
@@ -22,34 +24,84 @@ BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 @dataclass(frozen=True, slots=True)
-class KernelOps:
-    """One backend's kernels; every pair of backends shares these signatures.
+class AttentionBackend:
+    """One attention backend: its kernels and what it can do, which is all the engine asks
+    of it (no code outside ``kernels/`` tests a backend's name).
 
-    ``cascade`` says whether ``paged_attention`` uses ``AttentionMetadata.cascade``
-    (the runner builds it only then). ``causal_attention``, set only by the training kernels
-    (``differentiable.py``), attends each sequence's own keys of the step, with no pool.
+    Attributes:
+        name: what ``stats()`` and errors report.
+        store_kv, paged_attention: the kernels (``attention.py``'s signatures).
+        cascade: ``paged_attention`` reads ``AttentionMetadata.cascade``, so the runner
+            lays a step's decode groups out for it.
+        captures_graphs: a decode step's kernels queue without waiting for the device, so
+            they can be captured in CUDA graphs.
+        shards: runs under tensor parallelism on CUDA (its graphs capture the all-reduces).
+        kv_layout: the pool's storage shape and the permutation that views it logically
+            (``pool_layout``'s signature).
+        decode_buffers: the static metadata of captured decode steps, built as
+            ``decode_buffers(max_size, max_blocks_per_seq, device)``.
     """
 
     name: str
-    cascade: bool
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    cascade: bool = False
+    captures_graphs: bool = False
+    shards: bool = True
+    kv_layout: Callable[[tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = \
+        attention.pool_layout
+    decode_buffers: Callable[..., attention.DecodeBuffers] = attention.DecodeBuffers
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKernels:
+    """The kernels of everything but attention: norms, rotary, the gated activation, and
+    how linear layers multiply.
+
+    Attributes:
+        cpu_linear_layouts: on a CPU the linear layers multiply in the layouts of
+            ``cpu_linear.py`` (timed, or the batch-invariant panels).
+        batch_invariant_linear: the matmul whose rows' bits do not depend on the row count,
+            where it is a kernel of its own (Triton's); None where the panels are.
+    """
+
+    name: str
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    cpu_linear_layouts: bool = True
+    batch_invariant_linear: Callable[..., torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels a model calls: an attention backend and the layer kernels, with each
+    kernel also an attribute of its own (``ops.rms_norm``), so a layer calls it in one
+    lookup. ``causal_attention``, set only by the training kernels (``differentiable.py``),
+    attends each sequence's own keys of the step, with no pool."""
+
+    attention: AttentionBackend
+    layers: LayerKernels
     causal_attention: Callable[..., torch.Tensor] | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("store_kv", "paged_attention"):
+            object.__setattr__(self, name, getattr(self.attention, name))
+        for name in ("rms_norm", "rotary_embedding", "silu_and_mul"):
+            object.__setattr__(self, name, getattr(self.layers, name))
 
-TORCH_OPS = KernelOps("torch", cascade=True, store_kv=attention.store_kv,
-                      paged_attention=attention.paged_attention, rms_norm=layers.rms_norm,
-                      rotary_embedding=layers.rotary_embedding,
-                      silu_and_mul=layers.silu_and_mul)
+
+TORCH_ATTENTION = AttentionBackend("torch", attention.store_kv, attention.paged_attention,
+                                   cascade=True, shards=False)
+TORCH_LAYERS = LayerKernels("torch", layers.rms_norm, layers.rotary_embedding,
+                            layers.silu_and_mul)
+TORCH_OPS = KernelOps(TORCH_ATTENTION, TORCH_LAYERS)
 # Compiled C; the decode attention reads the pool in place, and has no use for the cascade
 # layout (a group's shared blocks stay in cache).
-CPU_OPS = KernelOps("cpu", cascade=False, store_kv=cpu_layers.store_kv,
-                    paged_attention=cpu_attention.paged_attention, rms_norm=cpu_layers.rms_norm,
-                    rotary_embedding=cpu_layers.rotary_embedding,
-                    silu_and_mul=cpu_layers.silu_and_mul)
+CPU_ATTENTION = AttentionBackend("cpu", cpu_layers.store_kv, cpu_attention.paged_attention)
+CPU_LAYERS = LayerKernels("cpu", cpu_layers.rms_norm, cpu_layers.rotary_embedding,
+                          cpu_layers.silu_and_mul)
+CPU_OPS = KernelOps(CPU_ATTENTION, CPU_LAYERS)
 
 
 def check_backend(backend: str) -> None:
@@ -84,6 +136,22 @@ def select_kernels(backend: str, device: torch.device, exact: bool = False) -> K
     return _triton_ops(exact)
 
 
+def batch_invariance_gap(backend: str, device: torch.device, dtype: torch.dtype,
+                         opted_in: bool) -> str | None:
+    """Why the kernels ``backend`` selects on ``device`` give no batch-invariant log-probs
+    in ``dtype`` (``EngineConfig.exact_logprobs``), or None when they do: the compiled CPU
+    kernels in their dtypes, and Triton's only when ``opted_in`` (unmeasured on a GPU)."""
+    if backend == "torch":
+        return "needs the compiled CPU kernels or Triton's, not attention_backend='torch'"
+    if backend == "triton" or device.type == "cuda":
+        return None if opted_in else "is opt-in on CUDA until the GPU check measures it"
+    if not cpu_build.available():
+        return "needs the compiled CPU kernels (a C compiler: gcc or $CC)"
+    if dtype not in cpu_build.DTYPES:
+        return f"takes float32 or bfloat16 on CPU, not {dtype}"
+    return None
+
+
 def _cpu_ops(device: torch.device) -> KernelOps:
     if device.type != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device.type}: use "
@@ -96,11 +164,21 @@ def _cpu_ops(device: torch.device) -> KernelOps:
 
 def _triton_ops(exact: bool) -> KernelOps:
     # Imported here so that the CPU path never imports Triton.
-    from . import triton_attention, triton_layers
+    from . import triton_attention, triton_layers, triton_linear
 
-    return KernelOps("triton", cascade=False, store_kv=triton_attention.store_kv,
-                     paged_attention=triton_attention.batch_invariant_attention if exact
-                     else triton_attention.paged_attention,
-                     rms_norm=triton_layers.rms_norm,
-                     rotary_embedding=triton_layers.rotary_embedding,
-                     silu_and_mul=triton_layers.silu_and_mul)
+    attention = AttentionBackend(
+        "triton", triton_attention.store_kv, triton_attention.batch_invariant_attention
+        if exact else triton_attention.paged_attention, captures_graphs=True)
+    return KernelOps(attention, LayerKernels(
+        "triton", triton_layers.rms_norm, triton_layers.rotary_embedding,
+        triton_layers.silu_and_mul, cpu_linear_layouts=False,
+        batch_invariant_linear=triton_linear.linear))
+
+
+def check_sharded(ops: KernelOps, device: torch.device) -> None:
+    """Raise ValueError, naming the fix, when ``ops`` cannot run tensor-parallel on
+    ``device`` (the torch references on CUDA)."""
+    if device.type == "cuda" and not ops.attention.shards:
+        raise ValueError(f"tensor parallelism on CUDA needs an attention backend that shards, "
+                         f"not {ops.attention.name!r}: use attention_backend='auto' or "
+                         "'triton'.")

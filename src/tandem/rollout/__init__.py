@@ -10,7 +10,8 @@ from .llm import LLM
 from .outputs import CompletionOutput, RequestOutput
 from .sampling_params import SamplingParams
 from .structured_outputs import StructuredOutputsParams
+from .worker.models import CausalLM, register_model
 
-__all__ = ["LLM", "CompletionOutput", "Continuation", "EngineAsleepError", "EngineConfig",
-           "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
-           "WeightUpdateError"]
+__all__ = ["LLM", "CausalLM", "CompletionOutput", "Continuation", "EngineAsleepError",
+           "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "WeightUpdateError", "register_model"]

@@ -1,12 +1,14 @@
-"""Engine configuration: one dataclass, validated when built."""
+"""Engine configuration: one dataclass, validated when built (``EngineConfig``), and the
+part of it a worker's runner takes, resolved (``WorkerConfig``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-from tandem.kernels import check_backend, cpu_build
+from tandem.kernels import batch_invariance_gap, check_backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -133,6 +135,14 @@ class EngineConfig:
             raise ValueError(f"exact_logprobs=True {reason}; set exact_logprobs=False.")
         return bool(self.exact_logprobs is not False and not reason)
 
+    def worker_config(self, model_dir: str, dtype: torch.dtype, max_model_len: int,
+                      eos_token_ids: set[int]) -> WorkerConfig:
+        """The runner's part of this config, resolved for a model folder, dtype and length."""
+        return WorkerConfig(str(model_dir), str(dtype).removeprefix("torch."),
+                            str(self.torch_device), max_model_len, self.block_size,
+                            self.attention_backend, self.enforce_eager, self.max_num_seqs,
+                            self.exact(dtype), self.seed, tuple(sorted(eos_token_ids)))
+
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
         if isinstance(self.dtype, torch.dtype):
@@ -144,20 +154,49 @@ class EngineConfig:
         return checkpoint_dtype or torch.bfloat16
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """What a model runner needs, each option resolved (``EngineConfig.worker_config``):
+    one object for the runner, and the tensor-parallel wire's message to a worker process
+    (``as_json``/``from_json``)."""
+
+    model_dir: str
+    dtype: str  # a torch dtype's name: "float32", "bfloat16"...
+    device: str
+    max_model_len: int
+    block_size: int = 16
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    max_num_seqs: int = 256
+    exact_logprobs: bool = False
+    seed: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a ``torch.dtype``."""
+        return getattr(torch, self.dtype)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The device as a ``torch.device``."""
+        return torch.device(self.device)
+
+    def as_json(self) -> dict[str, Any]:
+        """The fields as JSON values."""
+        return {**asdict(self), "eos_token_ids": list(self.eos_token_ids)}
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> WorkerConfig:
+        """The config ``as_json`` gave."""
+        return cls(**{**fields, "eos_token_ids": tuple(fields["eos_token_ids"])})
+
+
 def _inexact_reason(config: EngineConfig, dtype: torch.dtype) -> str | None:
     """Why the batch-invariant kernels cannot run for ``config`` in ``dtype`` (None: they
     can)."""
-    backend, device = config.attention_backend, config.torch_device.type
-    if backend == "torch":
-        return "needs the compiled CPU kernels or Triton's, not attention_backend='torch'"
-    if backend == "triton" or device == "cuda":
-        return None if config.exact_logprobs else "is opt-in on CUDA until the GPU check " \
-            "measures it"
-    if not cpu_build.available():
-        return "needs the compiled CPU kernels (a C compiler: gcc or $CC)"
-    if dtype not in cpu_build.DTYPES:
-        return f"takes float32 or bfloat16 on CPU, not {dtype}"
-    return None
+    return batch_invariance_gap(config.attention_backend, config.torch_device, dtype,
+                                opted_in=bool(config.exact_logprobs))
 
 
 def _positive(config: EngineConfig, *names: str) -> None:

@@ -33,7 +33,7 @@ from .sampling_params import SamplingParams
 from .step_overlap import StepOverlap
 from .worker.cpu_allocator import keep_freed_memory
 from .worker.memory import size_kv_cache
-from .worker.models import architecture_of
+from .worker.models import model_class
 
 EnginePrompt = Prompt | ProcessedPrompt | Continuation
 
@@ -51,7 +51,7 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model(config.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        architecture_of(hf_config)
+        model_class(hf_config)  # refuses an unsupported architecture before any loading
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = resolve_max_model_len(config, hf_config)
@@ -59,8 +59,9 @@ class LLMEngine:
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         if device.type == "cpu" and config.tune_cpu_allocator:
             keep_freed_memory()
-        self.runner = make_runner(config, hf_config, model_dir, dtype, self.max_model_len,
-                                  self.eos_token_ids)
+        self.runner = make_runner(config.worker_config(
+            model_dir, dtype, self.max_model_len, self.eos_token_ids), hf_config,
+            config.tensor_parallel_size, config.distributed_executor_backend == "external_launcher")
         kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
                                 self.runner.weight_bytes(), self.runner.graph_sizes)
         self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
@@ -92,7 +93,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
                                    self.config.max_num_batched_tokens, self.eos_token_ids,
                                    self.max_model_len, self.output_processor.match_stop_string,
-                                   self.held, self.runner.ops.cascade)
+                                   self.held, self.runner.ops.attention.cascade)
         self.scheduler.waiting.extend(waiting)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:

@@ -155,15 +155,16 @@ class LoraAdapterConfig:
         enabled: train an adapter instead of every weight.
         r: rank.
         lora_alpha: scale numerator.
-        target_modules: the linear layers that get an adapter.
+        target_modules: the linear layers that get an adapter; empty (the default): the
+            model family's own list (``lora_targets``: for Llama-family models every
+            projection, q/k/v/o and gate/up/down).
         sync_mode: ``"merge"`` (the engine merges into its weights) or ``"runtime"``.
     """
 
     enabled: bool = False
     r: int = 16
     lora_alpha: float = 32.0
-    target_modules: list[str] = field(default_factory=lambda: [
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(default_factory=list)
     sync_mode: str = "merge"
 
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tandem.rollout import LLM
 from tandem.rollout.config import DTYPES
 from tandem.rollout.default_model import resolve_model
+from tandem.rollout.worker.models import model_class
 
 from .algorithms import GRPO, PPO, MicroBatch, combine_metrics
 from .checkpoints import (
@@ -154,8 +155,9 @@ class Trainer:
         if resumed is not None:
             return PeftModel.from_pretrained(model, resumed, is_trainable=True)
         lora = self.config.lora
+        targets = list(lora.target_modules or model_class(model.config).lora_targets)
         return get_peft_model(model, LoraConfig(r=lora.r, lora_alpha=lora.lora_alpha,
-                                                target_modules=list(lora.target_modules)))
+                                                target_modules=targets))
 
     def _build_reference(self) -> Policy | None:
         if not self.algorithm.needs_reference or self.config.lora.enabled:

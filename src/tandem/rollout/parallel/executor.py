@@ -22,18 +22,19 @@ import sys
 import time
 import weakref
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
+from tandem.kernels import check_sharded, select_kernels
 from tandem.sync.protocol import WeightUpdateError
 
-from ..config import EngineConfig
+from ..config import WorkerConfig
 from ..worker.input_batch import StepInputs
 from ..worker.model_runner import ModelRunner
+from ..worker.models import external_models
 from . import wire
 from .tensor_parallel import (
     TensorParallel,
@@ -51,47 +52,45 @@ class TensorParallelError(RuntimeError):
     """A tensor-parallel worker died or stopped answering; the engine cannot go on."""
 
 
-def make_runner(config: EngineConfig, hf_config: PretrainedConfig, model_dir: Path,
-                dtype: torch.dtype, max_model_len: int, eos_token_ids: set[int]) -> ModelRunner:
-    """The engine's runner: a ``ModelRunner``, or with ``tensor_parallel_size > 1`` a
-    ``DriverRunner`` with its workers started.
+def make_runner(config: WorkerConfig, hf_config: PretrainedConfig, size: int = 1,
+                spmd: bool = False) -> ModelRunner:
+    """The engine's runner: a ``ModelRunner``, or with ``size > 1`` (tensor parallelism)
+    a ``DriverRunner`` with its workers started, or with ``spmd`` this rank's
+    ``ShardedRunner`` of a torchrun world.
 
     Raises:
-        ValueError: for a tensor-parallel size the model or machine cannot run.
+        ValueError: for a tensor-parallel size the model, machine or kernels cannot run.
     """
-    size, device = config.tensor_parallel_size, config.torch_device
-    spmd = config.distributed_executor_backend == "external_launcher"
-    check_tensor_parallel(size, hf_config, device, config.attention_backend, spmd)
-    args = (hf_config, model_dir, dtype, device, max_model_len, config.block_size,
-            eos_token_ids, config.seed, config.attention_backend, config.enforce_eager,
-            config.max_num_seqs)
-    exact = config.exact(dtype)
+    device = config.torch_device
+    check_tensor_parallel(size, hf_config, device, spmd)
+    if size > 1:
+        check_sharded(select_kernels(config.attention_backend, device), device)
     if size == 1:
-        return ModelRunner(*args, exact_logprobs=exact)
+        return ModelRunner(config, hf_config)
     if spmd:
-        return ShardedRunner(*args, tp=spmd_group(size, device), exact_logprobs=exact)
+        return ShardedRunner(config, hf_config, spmd_group(size, device))
     threads = max(1, (os.cpu_count() or 1) // size)
     if device.type == "cpu":
         torch.set_num_threads(threads)
-    spec = {"model_dir": str(model_dir), "dtype": str(dtype).removeprefix("torch."),
-            "device": str(device), "max_model_len": max_model_len,
-            "block_size": config.block_size, "attention_backend": config.attention_backend,
-            "enforce_eager": config.enforce_eager, "max_num_seqs": config.max_num_seqs,
-            "threads": threads, "exact_logprobs": exact}
-    return DriverRunner(Workers(spec, size, device), *args, exact_logprobs=exact)
+    return DriverRunner(Workers(config, size, threads), config, hf_config)
 
 
 class Workers:
     """The worker processes of one engine and the group the driver shares with them."""
 
-    def __init__(self, spec: dict[str, Any], size: int, device: torch.device) -> None:
+    def __init__(self, config: WorkerConfig, size: int, threads: int) -> None:
         self.timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
         timeout = timedelta(seconds=self.timeout)
+        device = config.torch_device
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout, wait_for_workers=False)
+        # The driver's import path and the model families registered in it from outside
+        # the package, so a family a test or a user's module defines runs on every rank.
+        shared = {"config": config.as_json(), "models": external_models(),
+                  "sys_path": sys.path, "threads": threads, "size": size,
+                  "port": store.port, "timeout": self.timeout}
         self.processes = [subprocess.Popen(
             [sys.executable, "-m", "tandem.rollout.parallel.worker_process", json.dumps(
-                {**spec, "rank": rank, "size": size, "port": store.port,
-                 "timeout": self.timeout})]) for rank in range(1, size)]
+                {**shared, "rank": rank})]) for rank in range(1, size)]
         self._finalizer = weakref.finalize(self, _stop, self.processes)
         self._wait_joined(store, size)
         try:
@@ -172,10 +171,10 @@ class ShardedRunner(ModelRunner):
         """Every parameter in its full (Hugging Face) shape, dtype and device, as a stand-in
         that takes no memory (a scalar expanded): updates are checked against it, then each
         rank cuts its slice (``commit_weights``)."""
-        config = self.model.config
+        config, spec = self.model.config, self.weight_spec
         return {name: torch.empty((), dtype=p.dtype, device=p.device).expand(
-            full_shape(name, tuple(p.shape), config, self.tp))
-            for name, p in self.model.named_parameters()}
+            full_shape(spec[name].split, tuple(p.shape), config, self.tp))
+            for name, p in super().weight_parameters().items()}
 
     def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
         """Every rank cuts, checks and votes on its slices of the full tensors (the
@@ -203,9 +202,10 @@ class DriverRunner(ShardedRunner):
     """Rank 0's runner: each operation that touches the model or the KV pool is sent to the
     workers first, then done here; a failed collective becomes a ``TensorParallelError``."""
 
-    def __init__(self, workers: Workers, *args: Any, **options: Any) -> None:
+    def __init__(self, workers: Workers, config: WorkerConfig,
+                 hf_config: PretrainedConfig) -> None:
         self.workers = workers
-        super().__init__(*args, tp=workers.tp, **options)
+        super().__init__(config, hf_config, workers.tp)
         weakref.finalize(self, workers.close)
 
     def share_staged(self, staged: dict[str, torch.Tensor]) -> None:

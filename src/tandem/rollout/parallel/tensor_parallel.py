@@ -13,9 +13,10 @@ messages, the commit's vote) and a device group for the model's tensors (the all
 gathers): NCCL on CUDA, where rank ``r`` runs on the device ``r`` places after the driver's
 and the decode graphs capture the all-reduces; a second gloo group on CPU.
 
-``shard_range`` says which slice of a full (Hugging Face shaped) tensor a rank holds; the
-loader and weight updates cut full tensors with it, so names and full shapes stay Hugging
-Face's on the wire.
+Each layer declares its split (one of ``SPLITS``, in the model's weight spec);
+``shard_range`` says which slice of a full (Hugging Face shaped) tensor of that split a rank
+holds. The loader and weight updates cut full tensors with it, so names and full shapes stay
+Hugging Face's on the wire.
 """
 
 from __future__ import annotations
@@ -30,9 +31,12 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-ROW = ("o_proj", "down_proj")
-VOCAB = ("embed_tokens", "lm_head")  # split by vocabulary rows
+COLUMN = "column"  # by output rows, evenly
+KV_HEADS = "kv_heads"  # by output rows in whole KV heads, replicated when fewer than ranks
+ROW = "row"  # by input columns; the partial sums are all-reduced
+ROW_BIAS = "row_bias"  # a row-parallel layer's bias: whole, added on rank 0 only
+VOCAB = "vocab"  # by vocabulary rows, the last rank's padded
+SPLITS = (COLUMN, KV_HEADS, ROW, ROW_BIAS, VOCAB)
 
 
 @dataclass(slots=True)
@@ -154,28 +158,24 @@ def vocab_per_rank(vocab_size: int, size: int) -> int:
     return math.ceil(vocab_size / size)
 
 
-def split_dim(name: str) -> int | None:
-    """The dimension along which the tensor ``name`` is split over the ranks, or None for a
+def split_dim(split: str | None) -> int | None:
+    """The dimension along which a tensor of ``split`` is cut over the ranks, or None for a
     tensor every rank holds whole (norms, a row-parallel bias: only rank 0 adds it, see
     ``holds_bias``)."""
-    module, kind = name.split(".")[-2:]
-    if module in VOCAB or module in COLUMN:
-        return 0
-    return 1 if module in ROW and kind == "weight" else None
+    return {COLUMN: 0, KV_HEADS: 0, VOCAB: 0, ROW: 1}.get(split)
 
 
-def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+def shard_range(split: str | None, shape: tuple[int, ...], config: PretrainedConfig,
                 tp: TensorParallel) -> tuple[int, int, int] | None:
-    """``(dim, start, stop)`` of the full tensor ``name`` (of ``shape``) that rank ``tp.rank``
-    holds, or None for a tensor every rank holds whole (see ``split_dim``)."""
-    dim = split_dim(name)
+    """``(dim, start, stop)`` of a full tensor of ``split`` (and ``shape``) that rank
+    ``tp.rank`` holds, or None for a tensor every rank holds whole (see ``split_dim``)."""
+    dim = split_dim(split)
     if tp.size == 1 or dim is None:
         return None
-    module = name.split(".")[-2]
-    if module in VOCAB:
+    if split == VOCAB:
         rows = vocab_per_rank(shape[0], tp.size)
         return 0, min(shape[0], tp.rank * rows), min(shape[0], (tp.rank + 1) * rows)
-    if module in ("k_proj", "v_proj"):
+    if split == KV_HEADS:
         heads = config.num_key_value_heads
         head_dim = shape[0] // heads
         first = tp.rank * heads // tp.size  # with fewer heads than ranks, shared by several
@@ -185,72 +185,72 @@ def shard_range(name: str, shape: tuple[int, ...], config: PretrainedConfig,
     return dim, tp.rank * part, (tp.rank + 1) * part
 
 
-def full_from_slices(name: str, parts: list[torch.Tensor], config: PretrainedConfig,
+def full_from_slices(split: str | None, parts: list[torch.Tensor], config: PretrainedConfig,
                      tp: TensorParallel) -> torch.Tensor:
-    """The full tensor ``name`` of a projection's weight from every rank's slice (``parts``,
-    in rank order): concatenated where split, each replicated KV head taken once."""
-    dim = split_dim(name)
+    """The full tensor of ``split`` from every rank's slice (``parts``, in rank order):
+    concatenated where split, each replicated KV head taken once."""
+    dim = split_dim(split)
     if dim is None:
         return parts[0]
     heads = config.num_key_value_heads
-    if name.split(".")[-2] in ("k_proj", "v_proj") and heads < tp.size:
+    if split == KV_HEADS and heads < tp.size:
         parts = parts[::tp.size // heads]
     return torch.cat(parts, dim=dim)
 
 
-def holds_bias(name: str, tp: TensorParallel) -> bool:
+def holds_bias(split: str | None, tp: TensorParallel) -> bool:
     """False for a row-parallel bias on ranks other than 0: the all-reduce would add it
     ``size`` times."""
-    module, kind = name.split(".")[-2:]
-    return tp.is_driver or not (module in ROW and kind == "bias")
+    return tp.is_driver or split != ROW_BIAS
 
 
-def full_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+def full_shape(split: str | None, shape: tuple[int, ...], config: PretrainedConfig,
                tp: TensorParallel) -> tuple[int, ...]:
-    """The full (Hugging Face) shape of the tensor ``name`` of which a rank holds ``shape``."""
-    module = name.split(".")[-2]
-    if tp.size == 1 or split_dim(name) is None:
+    """The full (Hugging Face) shape of a tensor of ``split`` of which a rank holds
+    ``shape``."""
+    if tp.size == 1 or split_dim(split) is None:
         return shape
-    if module in VOCAB:
+    if split == VOCAB:
         return (config.vocab_size, *shape[1:])
-    if module in ("k_proj", "v_proj"):
+    if split == KV_HEADS:
         head_dim = shape[0] // local_heads(config, tp.size)[1]
         return (config.num_key_value_heads * head_dim, *shape[1:])
-    if module in COLUMN:
+    if split == COLUMN:
         return (shape[0] * tp.size, *shape[1:])
     return (shape[0], shape[1] * tp.size)
 
 
-def local_shape(name: str, shape: tuple[int, ...], config: PretrainedConfig,
+def local_shape(split: str | None, shape: tuple[int, ...], config: PretrainedConfig,
                 tp: TensorParallel) -> tuple[int, ...]:
-    """The shape of the part of a full tensor of ``shape`` this rank holds."""
-    spans = shard_range(name, shape, config, tp)
+    """The shape of the part of a full tensor of ``split`` (and ``shape``) this rank holds."""
+    spans = shard_range(split, shape, config, tp)
     if spans is None:
         return shape
     dim, start, stop = spans
     return (*shape[:dim], stop - start, *shape[dim + 1:])
 
 
-def local_slice(name: str, full: torch.Tensor, config: PretrainedConfig,
+def local_slice(split: str | None, full: torch.Tensor, config: PretrainedConfig,
                 tp: TensorParallel) -> torch.Tensor:
-    """The part of the full tensor ``name`` this rank holds (a view; zeros for a
+    """The part of the full tensor of ``split`` this rank holds (a view; zeros for a
     row-parallel bias off rank 0)."""
-    if not holds_bias(name, tp):
+    if not holds_bias(split, tp):
         return torch.zeros_like(full)
-    spans = shard_range(name, tuple(full.shape), config, tp)
+    spans = shard_range(split, tuple(full.shape), config, tp)
     if spans is None:
         return full
     dim, start, stop = spans
     return full.narrow(dim, start, stop - start)
 
 
-def lora_slice(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
+def lora_slice(split: str | None, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float,
                config: PretrainedConfig, tp: TensorParallel
                ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """The part of a run-time adapter ``(A [r, in], B [out, r], scale)`` of weight ``name``
-    this rank applies: B's rows of a column-parallel layer's outputs, A's columns of a
-    row-parallel layer's inputs (the all-reduce then sums the adapter's partial terms)."""
-    spans = shard_range(name, (lora_b.shape[0], lora_a.shape[1]), config, tp)
+    """The part of a run-time adapter ``(A [r, in], B [out, r], scale)`` of a weight of
+    ``split`` this rank applies: B's rows of a column-parallel layer's outputs, A's columns
+    of a row-parallel layer's inputs (the all-reduce then sums the adapter's partial
+    terms)."""
+    spans = shard_range(split, (lora_b.shape[0], lora_a.shape[1]), config, tp)
     if spans is None:
         return lora_a, lora_b, scale
     dim, start, stop = spans
@@ -260,14 +260,15 @@ def lora_slice(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: flo
 
 
 def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.device,
-                          attention_backend: str, spmd: bool = False) -> None:
-    """Refuse a tensor-parallel size this model, machine or backend cannot run.
+                          spmd: bool = False) -> None:
+    """Refuse a tensor-parallel size this model or machine cannot run (the kernels are
+    checked by ``kernels.check_sharded``).
 
     Raises:
         ValueError: naming the fix: a size beyond the devices (on CUDA those from the
             driver's on, or with ``spmd`` all of them; on CPU the cores), one that does not
             divide the attention heads, nor the KV heads when it is smaller than them (nor
-            is divided by them when larger), or the torch kernels on CUDA.
+            is divided by them when larger).
     """
     if size == 1:
         return
@@ -287,6 +288,3 @@ def check_tensor_parallel(size: int, config: PretrainedConfig, device: torch.dev
     if size > available:
         raise ValueError(f"tensor_parallel_size={size} exceeds the {available} {where}: use at "
                          f"most {available}.")
-    if device.type == "cuda" and attention_backend == "torch":
-        raise ValueError("tensor parallelism on CUDA runs the Triton kernels: use "
-                         "attention_backend='auto' or 'triton'.")

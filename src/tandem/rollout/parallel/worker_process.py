@@ -1,10 +1,11 @@
 """A tensor-parallel worker process, started as
 ``python -m tandem.rollout.parallel.worker_process '<JSON arguments>'``.
 
-Started by the driver (``executor.Workers``) with the model folder, its rank and the
-driver's store port. It joins the engine's groups on its device (on CUDA the one ``rank``
-places after the driver's), loads its shard of the weights, and
-then does what each broadcast message says, until ``shutdown``. Any error ends the process
+Started by the driver (``executor.Workers``) with the runner's ``WorkerConfig``, its rank,
+the driver's store port, import path and the model families registered there from outside
+(``register_model``). It joins the engine's groups on its device (on CUDA the one ``rank``
+places after the driver's), loads its shard of the weights, and then does what each
+broadcast message says, until ``shutdown``. Any error ends the process
 with its traceback, which the driver reports as the worker's exit.
 """
 
@@ -12,17 +13,18 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from ..config import DTYPES
+from ..config import WorkerConfig
 from ..worker.input_batch import StepInputs
 from ..worker.model_runner import ModelRunner
+from ..worker.models import register_model
 from . import wire
 from .tensor_parallel import TensorParallel, device_group, rank_device
 
@@ -38,17 +40,16 @@ def serve(args: dict[str, Any]) -> None:
     store = dist.TCPStore("127.0.0.1", args["port"], args["size"], False, timeout)
     store.set(f"joined/{args['rank']}", "1")
     rank, size = args["rank"], args["size"]
-    device = rank_device(torch.device(args["device"]), rank)
+    device = rank_device(torch.device(args["config"]["device"]), rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = dist.ProcessGroupGloo(store, rank, size, timeout)
     tp = TensorParallel(rank, size, group, device_group(store, rank, size, timeout, device))
-    model_dir = Path(args["model_dir"])
-    runner = ModelRunner(AutoConfig.from_pretrained(model_dir), model_dir,
-                         DTYPES[args["dtype"]], device, args["max_model_len"],
-                         args["block_size"], set(), 0, args["attention_backend"],
-                         args["enforce_eager"], args["max_num_seqs"], tp,
-                         exact_logprobs=args["exact_logprobs"])
+    config = replace(WorkerConfig.from_json(args["config"]), device=str(device))
+    sys.path.extend(path for path in args["sys_path"] if path not in sys.path)
+    for architecture, model in args["models"].items():
+        register_model(architecture, model)
+    runner = ModelRunner(config, AutoConfig.from_pretrained(config.model_dir), tp)
     while True:
         op, payload = wire.receive(group, device)
         if op == "shutdown":

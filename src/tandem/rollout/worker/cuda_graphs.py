@@ -5,7 +5,9 @@ launches the whole forward pass at once. One graph is captured per batch size of
 (largest first, all sharing one memory pool, since only one replays at a time). A step of
 ``n`` sequences replays the smallest captured size ``>= n``: its inputs are copied into the
 static buffers, and the rows past ``n`` are padding (slot -1, so nothing is written to the
-KV pool, and context length 0, so nothing is read). Logits and sampling stay outside.
+KV pool, and context length 0, so nothing is read). The attention backend owns the
+metadata's static buffers (``AttentionBackend.decode_buffers``); logits and sampling stay
+outside.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tandem.kernels import AttentionMetadata
+from tandem.kernels import AttentionBackend, AttentionMetadata
 
 SMALL_SIZES = (1, 2, 4)
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -32,7 +34,7 @@ def graph_addresses(model: nn.Module, kv_cache: torch.Tensor) -> tuple[int, ...]
     """What the decode graphs of ``model`` hold besides their own buffers: the KV pool's,
     the rotary tables' and every parameter's and buffer's address. Graphs captured over
     other addresses would read stale memory: a capture is due."""
-    rotary = model.model.rotary_emb
+    rotary = model.rotary_emb
     tensors = [kv_cache, rotary.cos, rotary.sin, *model.parameters(), *model.buffers()]
     return tuple(tensor.data_ptr() for tensor in tensors)
 
@@ -51,16 +53,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, batch_sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device) -> None:
+                 device: torch.device, backend: AttentionBackend) -> None:
         self.batch_sizes = batch_sizes
         max_size = batch_sizes[-1]
         self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
-        self.context_lens = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.long,
-                                        device=device)
-        self.cu_seqlens_q = torch.arange(max_size + 1, dtype=torch.long, device=device)
+        self.buffers = backend.decode_buffers(max_size, max_blocks_per_seq, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, num_seqs: int) -> bool:
@@ -69,10 +67,7 @@ class DecodeGraphs:
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a ``size``-sequence decode step, over the buffers."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
-            context_lens=self.context_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-            num_decodes=size, max_query_len=1)
+        return self.buffers.metadata(size)
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
               metadata: AttentionMetadata) -> int:
@@ -88,12 +83,7 @@ class DecodeGraphs:
                              f"{self.batch_sizes[-1]}).")
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.context_lens[:num_seqs].copy_(metadata.context_lens)
-        self.context_lens[num_seqs:size].fill_(0)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+        self.buffers.stage(metadata, size)
         return size
 
     def capture(self, forward: Forward) -> None:
@@ -103,8 +93,7 @@ class DecodeGraphs:
         buffers hold padding meanwhile: nothing touches the KV pool.
         """
         pool = None
-        self.slot_mapping.fill_(-1)
-        self.context_lens.fill_(0)
+        self.buffers.pad()
         for size in reversed(self.batch_sizes):
             args = (self.input_ids[:size], self.positions[:size], self.metadata(size))
             forward(*args)

@@ -24,12 +24,12 @@ from torch import nn
 from torch.func import functional_call
 
 from tandem.kernels import AttentionMetadata, KernelOps
-from tandem.kernels.differentiable import panel_linear, training_ops, triton_linear
+from tandem.kernels.differentiable import training_linear, training_ops
 from tandem.sync.lora import LoraFactors
 
 from ..parallel.tensor_parallel import TensorParallel
-from .models import ARCHITECTURES, architecture_of
-from .models.llama import LlamaForCausalLM
+from .models import CausalLM, model_class
+from .models.weight_spec import assemble
 
 _LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
 _PEFT_PREFIX = "base_model.model."
@@ -53,27 +53,31 @@ class ExactForward:
     Args:
         model: the trainer's model (transformers, maybe wrapped by peft), the engine's
             architecture, in the engine's dtype.
-        engine_model: the engine's model (its config and rotary tables).
+        engine_model: the engine's model (its family, config and rotary tables' size).
         kernels: the engine's kernels (batch-invariant: the compiled CPU ones, or Triton's).
         lora_runtime: the engine adds the adapter at run time (else it merges it).
     """
 
-    def __init__(self, model: nn.Module, engine_model: LlamaForCausalLM, kernels: KernelOps,
+    def __init__(self, model: nn.Module, engine_model: CausalLM, kernels: KernelOps,
                  lora_runtime: bool = False) -> None:
-        config = engine_model.config
-        spec = ARCHITECTURES[architecture_of(config)]
-        with torch.device("meta"):
-            self.twin = LlamaForCausalLM(config, spec, 1, torch.device("cpu"),
-                                         training_ops(kernels), TensorParallel())
-        self.linear = panel_linear if kernels.name == "cpu" else triton_linear
-        self.twin.multiply_through(self.linear, f"{kernels.name} (differentiable)")
-        self.twin.model.rotary_emb = engine_model.model.rotary_emb
+        config, tables = engine_model.config, engine_model.rotary_emb.cos
+        with torch.device("meta"):  # the engine's rotary tables, computed alike
+            self.twin = model_class(config)(config, tables.shape[0], tables.device,
+                                            training_ops(kernels), TensorParallel())
+        self.linear = training_linear(kernels)
+        self.twin.multiply_through(self.linear, f"{kernels.layers.name} (differentiable)")
+        self.spec = self.twin.weight_spec()
+        if lora_runtime and any(target.slot for target in self.spec.values()):
+            raise ValueError("exact_logprobs with a run-time LoRA adapter needs a model whose "
+                             "layers each hold one Hugging Face module; use the lora "
+                             "sync_mode 'merge'.")
         # As transformers' embedding: the padding token's row gets no gradient.
         pad = getattr(config, "pad_token_id", None)
-        self.twin.model.embed_tokens.padding_idx = pad if pad is not None and \
+        self.twin.input_embedding().padding_idx = pad if pad is not None and \
             0 <= pad < config.vocab_size else None
         self.model = model
-        self.tied = bool(config.tie_word_embeddings)
+        parameters = {id(p): name for name, p in self.twin.named_parameters()}
+        self.head = parameters[id(self.twin.lm_head.weight)]  # the embedding's, when tied
         self.lora_layers = _lora_layers(model)
         self.lora_runtime = lora_runtime
         self.twin_layers = dict(self.twin.named_modules())
@@ -84,8 +88,8 @@ class ExactForward:
                              f"parameters {sorted(missing)[:4]}: is it the same architecture?")
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        """The trainer's tensors under the twin's names, LoRA adapters merged in as the
-        engine merges them."""
+        """The trainer's tensors under the twin's parameter names (assembled by its weight
+        spec), LoRA adapters merged in as the engine merges them."""
         tensors, pairs = {}, {}
         for name, param in self.model.named_parameters():
             name = name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
@@ -106,7 +110,7 @@ class ExactForward:
                 continue
             factors = LoraFactors(pair["A"].float(), pair["B"].float(), scale)
             tensors[f"{module}.weight"] = factors.merged(base).to(base.dtype)
-        return tensors
+        return assemble(self.spec, tensors)
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, logits_to_keep: int,
@@ -120,10 +124,8 @@ class ExactForward:
         metadata = AttentionMetadata(nothing, nothing, lengths, cu_seqlens, num_decodes=0,
                                      max_query_len=int(lengths.max()))
         tensors = self._tensors()
-        inner = {name.removeprefix("model."): t for name, t in tensors.items()
-                 if name.startswith("model.")}
-        hidden = functional_call(self.twin.model, inner, (input_ids[real], position_ids[real],
-                                                          metadata))
+        hidden = functional_call(self.twin, tensors, (input_ids[real], position_ids[real],
+                                                      metadata))
         # Padded column j of row b is its position width - keep + j; the real ones map into
         # the flat stream, the rest read a zero row.
         width, first_real = input_ids.shape[1], real.int().argmax(1)
@@ -132,8 +134,7 @@ class ExactForward:
         inside = real.gather(1, columns.expand(len(real), -1))
         padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
         kept = padded[torch.where(inside, flat, hidden.shape[0])]
-        head = tensors["model.embed_tokens.weight" if self.tied else "lm_head.weight"]
-        logits = self.linear(kept, head)
+        logits = functional_call(self.twin.lm_head, {"weight": tensors[self.head]}, (kept,))
         return ExactOutput(logits, (kept,) if output_hidden_states else None)
 
 

@@ -1,4 +1,5 @@
-"""Loading a Hugging Face folder's safetensors weights into a Tandem model, name for name.
+"""Loading a Hugging Face folder's safetensors weights into a Tandem model, through its weight
+spec (``models/weight_spec.py``: each checkpoint tensor's parameter, split and slot).
 
 Tensors are read straight from the file into the parameters' memory (``readinto``) when
 dtype and device allow, so loading needs no second copy of the weights and maps no file
@@ -13,9 +14,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from torch import nn
 
-from ..parallel.tensor_parallel import TensorParallel, local_shape, local_slice
+from ..parallel.tensor_parallel import local_shape, local_slice
+from .models import CausalLM, WeightTarget
 
 # Buffers some checkpoints carry that Tandem recomputes instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -40,32 +41,32 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: nn.Module, model_dir: Path) -> None:
-    """Copy every checkpoint tensor into the parameter of the same name (under tensor
-    parallelism, this rank's slice of it: ``model.tp``).
+def load_weights(model: CausalLM, model_dir: Path) -> None:
+    """Copy every checkpoint tensor into the part of the parameter the model's weight spec
+    gives it (under tensor parallelism, this rank's slice of it: ``model.tp``).
 
     Raises:
         ValueError: on an unknown name, a shape mismatch, an unsupported dtype, or a
-            parameter the checkpoint lacks.
+            tensor of the spec the checkpoint lacks.
     """
-    params = dict(model.named_parameters())
-    tp: TensorParallel = getattr(model, "tp", TensorParallel())
+    spec, params = model.weight_spec(), dict(model.named_parameters())
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
         with open(path, "rb") as file:
             for name, entry, data_start in _read_header(file):
-                if name.endswith(IGNORED_SUFFIXES):
+                if name.endswith(IGNORED_SUFFIXES) or name in tied:
                     continue
-                param = _parameter(params, name, entry, model.config, tp)
-                if tp.size == 1:
-                    _read_into(file, data_start, entry, param)
+                target = _target(spec, name, entry, params, model)
+                destination = target.view(params[target.parameter])
+                if model.tp.size == 1 and destination.is_contiguous():
+                    _read_into(file, data_start, entry, destination)
                 else:
                     with torch.no_grad():
-                        param.copy_(local_slice(name, _read_tensor(file, data_start, entry),
-                                                model.config, tp))
+                        destination.copy_(local_slice(target.split, _read_tensor(
+                            file, data_start, entry), model.config, model.tp))
                 loaded.add(name)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    missing = set(params) - loaded - tied
+    missing = set(spec) - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} parameters, e.g. "
                          f"{sorted(missing)[:5]}")
@@ -79,21 +80,22 @@ def _read_header(file: BinaryIO) -> list[tuple[str, dict, int]]:
     return [(name, entry, 8 + header_size) for name, entry in header.items()]
 
 
-def _parameter(params: dict[str, nn.Parameter], name: str, entry: dict, config: object,
-               tp: TensorParallel) -> nn.Parameter:
-    if name not in params:
+def _target(spec: dict[str, WeightTarget], name: str, entry: dict,
+            params: dict[str, torch.Tensor], model: CausalLM) -> WeightTarget:
+    target = spec.get(name)
+    if target is None:
         raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model.")
-    param = params[name]
-    if tuple(param.shape) != local_shape(name, tuple(entry["shape"]), config, tp):
+    expected = tuple(target.view(params[target.parameter]).shape)
+    if expected != local_shape(target.split, tuple(entry["shape"]), model.config, model.tp):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(entry['shape'])}, the "
-                         f"model expects {tuple(param.shape)}.")
+                         f"model expects {expected}.")
     if entry["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"checkpoint tensor {name!r} has dtype {entry['dtype']}; Tandem loads "
                          f"{', '.join(SAFETENSORS_DTYPES)}.")
-    return param
+    return target
 
 
-def _read_into(file: BinaryIO, data_start: int, entry: dict, param: nn.Parameter) -> None:
+def _read_into(file: BinaryIO, data_start: int, entry: dict, param: torch.Tensor) -> None:
     dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     with torch.no_grad():
         if dtype == param.dtype and param.device.type == "cpu" and param.is_contiguous():

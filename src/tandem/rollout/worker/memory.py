@@ -22,8 +22,7 @@ from transformers import PretrainedConfig
 from ..config import EngineConfig
 from ..core.block_manager import num_blocks_for
 from ..core.scheduler import MAX_SCORED_TOKENS
-from ..parallel.tensor_parallel import local_heads
-from .models.llama import head_dim_of
+from .models import model_class
 
 GRAPH_OVERHEAD_BYTES = 4 << 20
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -59,9 +58,9 @@ def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype
                    tensor_parallel_size: int = 1) -> int:
     """Bytes one KV block takes across all layers (K and V) on one rank (which holds its
     share of the KV heads)."""
-    kv_heads = local_heads(config, tensor_parallel_size)[1]
-    per_token = 2 * kv_heads * head_dim_of(config) * dtype.itemsize
-    return per_token * config.num_hidden_layers * block_size
+    shape = model_class(config).kv_shape(config, tensor_parallel_size)
+    per_token = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+    return per_token * shape.num_layers * block_size
 
 
 def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,

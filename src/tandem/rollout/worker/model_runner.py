@@ -18,27 +18,23 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, pool_layout, select_kernels
+from tandem.kernels import AttentionMetadata, select_kernels
 from tandem.kernels.cpu_build import MAX_GROUP, MAX_HEAD_DIM
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
+from ..config import WorkerConfig
 from ..core.block_manager import num_blocks_for
 from ..core.scheduled_batch import ScheduledBatch
 from ..core.sequence import Sequence
-from ..parallel.tensor_parallel import (
-    TensorParallel,
-    full_from_slices,
-    local_heads,
-    local_slice,
-    lora_slice,
-)
+from ..parallel.tensor_parallel import TensorParallel, full_from_slices, local_slice, lora_slice
 from .attention_layout import long_tensor
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
 from .device_sample import HostCopy
 from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
-from .models import build_model
-from .models.llama import LoraLinear, head_dim_of
+from .models import CausalLM, KVShape, build_model
+from .models.layers import LoraLinear, stack_lora
+from .models.weight_spec import views
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
 from .weight_offload import OffloadableWeights
@@ -47,42 +43,45 @@ from .weight_offload import OffloadableWeights
 class ModelRunner:
     """Holds the model, its KV pool and its decode graphs, and executes scheduled steps.
 
-    Graphs are captured only on CUDA, with the Triton kernels (the torch reference
-    synchronises with the device) and without ``enforce_eager``; ``graph_sizes`` is empty
-    otherwise. On CPU with the torch kernels the linear layers multiply in the layout timed
-    fastest on this machine when the model loads (``kernels/cpu_linear.py``;
-    ``model.linear_layout`` names it).
+    Graphs are captured only on CUDA, with an attention backend that can be captured
+    (``captures_graphs``: Triton's; the torch reference synchronises with the device) and
+    without ``enforce_eager``; ``graph_sizes`` is empty otherwise. On CPU the linear layers
+    multiply in the layout timed fastest on this machine when the model loads
+    (``kernels/cpu_linear.py``; ``model.linear_layout`` names it), or with exact log-probs
+    in the batch-invariant panels.
     """
 
-    def __init__(self, hf_config: PretrainedConfig, model_dir: Path, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, block_size: int,
-                 eos_token_ids: set[int], seed: int, attention_backend: str = "auto",
-                 enforce_eager: bool = False, max_num_seqs: int = 256,
-                 tp: TensorParallel | None = None, exact_logprobs: bool = False) -> None:
+    def __init__(self, config: WorkerConfig, hf_config: PretrainedConfig,
+                 tp: TensorParallel | None = None) -> None:
+        self.config = config
+        device, dtype = config.torch_device, config.torch_dtype
         self.device = device
-        self.exact_logprobs = exact_logprobs
+        self.exact_logprobs = config.exact_logprobs
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.tp = tp or TensorParallel()
-        self.ops = select_kernels(attention_backend, device, exact_logprobs)
-        self.model = build_model(hf_config, dtype, device, max_model_len, self.ops, self.tp)
-        load_weights(self.model, model_dir)
+        self.ops = select_kernels(config.attention_backend, device, config.exact_logprobs)
+        self.model: CausalLM = build_model(hf_config, dtype, device, config.max_model_len,
+                                           self.ops, self.tp)
+        self.weight_spec = self.model.weight_spec()
+        load_weights(self.model, Path(config.model_dir))
         self.model.eval()
         # On CUDA the weights live in one releasable region: sleep(2) offloads them in one copy.
         self.offloadable_weights = releasable_or_none(
             lambda: OffloadableWeights(self.model, device), "weights") \
             if device.type == "cuda" else None
-        if exact_logprobs:  # batch-invariant linear layers, whatever a timing would choose
-            self._multiply_batch_invariant(hf_config)
-        elif device.type == "cpu" and self.ops.name != "triton":
+        if config.exact_logprobs:  # batch-invariant linear layers, whatever a timing chooses
+            self._multiply_batch_invariant()
+        elif device.type == "cpu" and self.ops.layers.cpu_linear_layouts:
             self.model.pack_linear_weights(self.model.fastest_linear_layout())
-        self.sampler = Sampler(eos_token_ids, seed, device)
-        self.input_batch = InputBatch(block_size, device, self.ops.cascade)
+        self.sampler = Sampler(set(config.eos_token_ids), config.seed, device)
+        self.input_batch = InputBatch(config.block_size, device, self.ops.attention.cascade)
         self.kv_cache = torch.empty(0)
         self.kv_region: ReleasableMemory | None = None
-        self.max_blocks_per_seq = num_blocks_for(max_model_len, block_size)
-        captures = device.type == "cuda" and self.ops.name == "triton" and not enforce_eager
-        self.graph_sizes = graph_batch_sizes(max_num_seqs) if captures else []
+        self.max_blocks_per_seq = num_blocks_for(config.max_model_len, config.block_size)
+        captures = device.type == "cuda" and self.ops.attention.captures_graphs \
+            and not config.enforce_eager
+        self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None
         self.graph_addresses: tuple[int, ...] | None = None  # what the graphs were captured over
         self.graph_captures = 0
@@ -91,31 +90,33 @@ class ModelRunner:
         # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
         self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
 
-    def _multiply_batch_invariant(self, hf_config: PretrainedConfig) -> None:
+    def _multiply_batch_invariant(self) -> None:
         """Every linear layer through the backend's batch-invariant matmul: the panels (a
-        copy) on CPU, the fixed-tile Triton kernel (the weights as stored) otherwise."""
-        if self.ops.name != "cpu":
-            from tandem.kernels import triton_linear
-
-            self.model.multiply_through(triton_linear.linear, "triton (batch-invariant)")
+        copy) where the layers use the CPU layouts, else the layer kernels' own (Triton's
+        fixed-tile matmul, over the weights as stored)."""
+        layers = self.ops.layers
+        if not layers.cpu_linear_layouts:
+            self.model.multiply_through(layers.batch_invariant_linear,
+                                        f"{layers.name} (batch-invariant)")
             return
-        check_exact_shapes(hf_config, self.tp.size)
+        check_exact_shapes(self.kv_shape)
         self.model.pack_linear_weights("panels")
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter by Hugging Face name (a tied one under its first name)."""
+        """Every Hugging Face tensor of the weight spec (a tied one under its first name),
+        as the part of its parameter it fills (the parameter itself where it fills all)."""
         return dict(self._parameters)
 
     @functools.cached_property
     def _parameters(self) -> dict[str, torch.Tensor]:
         # Walked once (0.5 ms an update on an H200): updates, offloads and aliases change a
         # parameter's data, never the parameter.
-        return dict(self.model.named_parameters())
+        return views(self.weight_spec, dict(self.model.named_parameters()))
 
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
         every = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        return every - set(self.weight_parameters())
+        return every - {target.parameter for target in self.weight_spec.values()}
 
     @torch.no_grad()
     def commit_weights(self, staged: dict[str, torch.Tensor], alias: bool) -> bool:
@@ -126,6 +127,11 @@ class ModelRunner:
         if not alias:
             self._copy_in(parameters, staged)
             return False
+        stacked = sorted(name for name in staged if self.weight_spec[name].slot)
+        if stacked:
+            raise WeightUpdateError(f"cannot alias {stacked[0]!r}: the engine stacks it in "
+                                    f"{self.weight_spec[stacked[0]].parameter!r} with other "
+                                    "tensors; update by copy instead.")
         self.model.pack_linear_weights(None)
         for name, tensor in staged.items():
             moved |= parameters[name].data_ptr() != tensor.data_ptr()
@@ -137,9 +143,9 @@ class ModelRunner:
         """Under tensor parallelism: cut this rank's slice of each full staged tensor, check
         it, and copy the slices in only if no rank refused its own (one vote); returns the
         refusing ranks."""
-        parameters, config = dict(self.model.named_parameters()), self.model.config
+        parameters, config = self.weight_parameters(), self.model.config
         try:
-            slices = {name: local_slice(name, tensor, config, self.tp).to(
+            slices = {name: local_slice(self.weight_spec[name].split, tensor, config, self.tp).to(
                 parameters[name].device, parameters[name].dtype, copy=True)
                 for name, tensor in staged.items()}
             check_all_finite(slices.items())
@@ -165,21 +171,31 @@ class ModelRunner:
         if self.tp.size == 1:
             return local
         parts = self.tp.gather(local)
-        return None if parts is None else full_from_slices(name, parts, self.model.config,
-                                                            self.tp)
+        return None if parts is None else full_from_slices(self.weight_spec[name].split,
+                                                            parts, self.model.config, self.tp)
 
     def lora_layers(self) -> dict[str, LoraLinear]:
-        """The layers that can add a run-time LoRA adapter, by weight name."""
-        return {f"{name}.weight": module for name, module in self.model.named_modules()
-                if isinstance(module, LoraLinear)}
+        """The layers that can add a run-time LoRA adapter, by Hugging Face weight name."""
+        return {name: module for name, (module, _) in self.model.lora_layers().items()}
 
     def set_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Serve run-time adapter factors (full ``A [r, in]``, ``B [out, r]``, scale) by
-        weight name, each layer its rank's slice of them; layers left out serve none."""
-        for name, module in self.lora_layers().items():
+        weight name, each layer its rank's slice of them (a layer of several parts one
+        adapter per part, ``stack_lora``); layers left out serve none."""
+        per_layer: dict[LoraLinear, list] = {}
+        for name, (module, part) in self.model.lora_layers().items():
             given = factors.get(name)
-            module.set_lora(None if given is None
-                            else lora_slice(name, *given, self.model.config, self.tp))
+            parts = per_layer.setdefault(module, [None] * max(1, len(module.parts)))
+            parts[part] = None if given is None else lora_slice(
+                self.weight_spec[name].split, *given, self.model.config, self.tp)
+        for module, parts in per_layer.items():
+            if all(part is None for part in parts):
+                module.set_lora(None)
+            elif len(parts) == 1:
+                module.set_lora(parts[0])
+            else:
+                sizes = [module.out_features // len(parts)] * len(parts)
+                module.set_lora(stack_lora(parts, sizes))
 
     def agreed_num_blocks(self, num_blocks: int) -> int:
         """``num_blocks``, or for the ranks of an SPMD engine (each sizes its pool from its
@@ -197,10 +213,10 @@ class ModelRunner:
         It lives in a ``ReleasableMemory``, zeroed: after ``free_kv_cache`` it comes back at
         the same address (the decode graphs hold it). On CPU it is resident where written.
         """
-        config = self.model.config
-        storage, order = pool_layout((2, config.num_hidden_layers, num_blocks, self.block_size,
-                                      local_heads(config, self.tp.size)[1],
-                                      head_dim_of(config)))
+        shape = self.kv_shape
+        storage, order = self.ops.attention.kv_layout((2, shape.num_layers, num_blocks,
+                                                       self.block_size, shape.num_kv_heads,
+                                                       shape.head_dim))
         num_bytes = math.prod(storage) * self.dtype.itemsize
         if self.kv_region is None or self.kv_region.num_bytes != num_bytes:
             self.kv_region = releasable_or_none(
@@ -213,6 +229,11 @@ class ModelRunner:
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
+
+    @property
+    def kv_shape(self) -> KVShape:
+        """What this rank's KV pool holds per token."""
+        return type(self.model).kv_shape(self.model.config, self.tp.size)
 
     def kv_cache_bytes(self) -> int:
         """Bytes the KV pool holds (0 while freed)."""
@@ -232,7 +253,8 @@ class ModelRunner:
         self._return_cached_device_memory()  # so the old graphs' pool does not hide the cost
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device)
+        graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device,
+                              self.ops.attention)
         with torch.inference_mode():
             graphs.capture(self.model)
         self.graph_capture_seconds = time.perf_counter() - start
@@ -294,7 +316,7 @@ class ModelRunner:
             torch.cuda.empty_cache()  # hand freed memory back to the trainer, not our cache
 
     def _move_rotary(self, device: torch.device | str) -> None:
-        rotary = self.model.model.rotary_emb
+        rotary = self.model.rotary_emb
         rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
 
     @torch.inference_mode()
@@ -374,12 +396,11 @@ class ModelRunner:
         return self.input_batch.prepare(batch)
 
 
-def check_exact_shapes(config: PretrainedConfig, tp_size: int) -> None:
+def check_exact_shapes(shape: KVShape) -> None:
     """Raise ValueError when the compiled attention, the only batch-invariant one, does not
     take this model's heads (``exact_logprobs`` would silently fall back otherwise)."""
-    num_heads, num_kv_heads = local_heads(config, tp_size)
-    if head_dim_of(config) > MAX_HEAD_DIM or num_heads // num_kv_heads > MAX_GROUP:
+    group = shape.num_heads // shape.num_kv_heads
+    if shape.head_dim > MAX_HEAD_DIM or group > MAX_GROUP:
         raise ValueError(f"exact_logprobs: the CPU attention kernel takes heads up to "
                          f"{MAX_HEAD_DIM} wide in groups up to {MAX_GROUP}, not this model's "
-                         f"({head_dim_of(config)}, {num_heads // num_kv_heads}); set "
-                         "exact_logprobs=False.")
+                         f"({shape.head_dim}, {group}); set exact_logprobs=False.")

@@ -1,0 +1,201 @@
+"""The model contract: what a model family provides to the engine, and what every family
+gets from it.
+
+A family subclasses ``CausalLM``, builds its layers from ``layers.py`` (whose linear layers
+declare their tensor-parallel split and Hugging Face tensors), and provides:
+
+- ``__init__(config, max_position, device, ops, tp)``: this rank's slice of the model, every
+  kernel through ``ops``, with ``lm_head`` (a ``Linear`` of this rank's vocabulary rows)
+  and ``rotary_emb`` (its rotary tables, which are not buffers);
+- ``forward(input_ids, positions, metadata)``: the final hidden states of a step's tokens;
+- ``input_embedding()``, ``decoder_layers()``, ``attention_layers()`` (each holding
+  ``k_cache``/``v_cache`` bound to the pool), and ``linear_groups(layer)``: a layer's
+  projections in the order its forward pass runs them, those reading one input as one
+  ``FusedProjections``;
+- the class methods ``check_config`` (refuse what the family cannot run) and ``kv_shape``
+  (the KV pool's shape per rank, known before the model is built), and the class attribute
+  ``lora_targets`` (the module names a trainer's adapter targets by default).
+
+From these ``CausalLM`` derives the weight spec (``weight_spec``), logits under tensor
+parallelism, the CPU linear layouts and the tied embedding. Families register by
+architecture name (``registry.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tandem.kernels import AttentionMetadata, cpu_linear
+from tandem.kernels.cpu_build import cache_dir
+from tandem.kernels.cpu_linear import PackedWeight
+from tandem.kernels.differentiable import panel_linear
+
+from ...parallel.tensor_parallel import TensorParallel, vocab_per_rank
+from .layers import FusedProjections, Linear, LiveLinear, LoraLinear, VocabEmbedding
+from .rotary import RotaryEmbedding
+from .weight_spec import WeightTarget
+
+CALIBRATION_BYTES = 64 << 20  # weights timed to choose the CPU linear layout
+
+
+@dataclass(frozen=True, slots=True)
+class KVShape:
+    """What one rank's KV pool holds per token: layers, query and KV heads, head size."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class CausalLM(nn.Module):
+    """A causal LM over the paged KV cache (see the module docstring for the contract)."""
+
+    lora_targets: ClassVar[tuple[str, ...]] = ()
+    config: PretrainedConfig
+    tp: TensorParallel
+    lm_head: Linear
+    rotary_emb: RotaryEmbedding
+    linear_layout: str | None = None  # see pack_linear_weights
+
+    @classmethod
+    def check_config(cls, config: PretrainedConfig) -> None:
+        """Raise ValueError, naming the fix, for a config this family cannot run."""
+
+    @classmethod
+    def kv_shape(cls, config: PretrainedConfig, tp_size: int) -> KVShape:
+        """The KV pool's shape on one of ``tp_size`` ranks."""
+        raise NotImplementedError
+
+    def input_embedding(self) -> VocabEmbedding:
+        """The token embedding."""
+        raise NotImplementedError
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The decoder layers, in order."""
+        raise NotImplementedError
+
+    def attention_layers(self) -> list[nn.Module]:
+        """The attention modules, in layer order, for binding the KV pool."""
+        raise NotImplementedError
+
+    def linear_groups(self, layer: nn.Module) -> list[Linear | FusedProjections]:
+        """``layer``'s projections in forward order; those reading one input fused."""
+        raise NotImplementedError
+
+    def tie_weights(self) -> None:
+        """Share the embedding with ``lm_head`` when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.input_embedding().weight
+
+    def weight_spec(self) -> dict[str, WeightTarget]:
+        """Every Hugging Face tensor the model holds, by name, and where it goes (a tied
+        weight under its first name only): each layer's own ``weight_targets`` where it
+        has them, else its parameters whole, replicated."""
+        spec, seen = {}, set()
+        for prefix, module in self.named_modules():
+            own = dict(module.named_parameters(recurse=False, prefix=prefix))
+            fresh = {name for name, param in own.items() if id(param) not in seen}
+            seen |= {id(param) for param in own.values()}
+            targets = module.weight_targets(prefix) if hasattr(module, "weight_targets") \
+                else {name: WeightTarget(name) for name in own}
+            spec.update({name: target for name, target in targets.items()
+                         if target.parameter in fresh})
+        return spec
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Vocabulary logits of the given hidden rows (under tensor parallelism gathered on
+        the driver; None on the other ranks)."""
+        logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        rows = vocab_per_rank(self.config.vocab_size, self.tp.size)
+        logits = F.pad(logits, (0, rows - logits.shape[-1]))
+        return self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def fused_projections(self) -> list[FusedProjections]:
+        """Every layer's projections that read one input."""
+        return [group for layer in self.decoder_layers() for group in self.linear_groups(layer)
+                if isinstance(group, FusedProjections)]
+
+    def pack_linear_weights(self, layout: str | None) -> None:
+        """Multiply every projection in ``layout`` (one of ``cpu_linear.LAYOUTS``):
+        ``"transposed"`` re-stores each weight column-major in place, ``"onednn"`` and
+        ``"panels"`` multiply through copies (``PackedWeight``), each ``FusedProjections``
+        as one matrix; None through the row-major weights themselves (an aliased weight
+        changes in place unseen, so it must never be copied). The LM head is packed with
+        the projections: ``F.linear``'s own last bits change with the row count (MKL blocks
+        each shape its own way), and packed it is about 2-3x faster at decode row counts
+        (``benchmarks/matmul_floor.py --role lm_head``)."""
+        fused = self.fused_projections()
+        in_fused = {id(layer) for group in fused for layer in group.layers}
+        copied = layout in cpu_linear.COPIES
+        for module in self.modules():
+            if not isinstance(module, Linear):
+                continue
+            alone = id(module) not in in_fused
+            if module is not self.lm_head:  # tied to the embedding: never re-stored
+                cpu_linear.store_column_major(module.weight, layout == "transposed")
+            if isinstance(module, LoraLinear):  # the panels' rows are batch-invariant
+                module.lora_product = panel_linear if layout == "panels" else F.linear
+            module.packed = PackedWeight([module], layout) if alone and copied else None
+        for group in fused:
+            group.packed = PackedWeight(group.layers, layout) if copied else None
+        self.linear_layout = layout
+
+    def multiply_through(self, linear: Callable[..., torch.Tensor], name: str) -> None:
+        """Every linear layer, the LM head and the LoRA products each through ``linear(x,
+        weight, bias)`` (``LiveLinear``: fused projections each on its own), ``name`` being
+        the layout reported: the batch-invariant Triton matmul of exact log-probs on CUDA,
+        or a trainer's differentiable kernels in its twin (``exact_forward.py``)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.packed = LiveLinear(module, linear)
+            if isinstance(module, LoraLinear):
+                module.lora_product = linear
+        for group in self.fused_projections():
+            group.packed = None
+        self.linear_layout = name
+
+    def fastest_linear_layout(self) -> str | None:
+        """The layout ``cpu_linear.fastest_layout`` finds fastest for this model's
+        projections, timed on its leading layers (as many as hold ``CALIBRATION_BYTES`` of
+        weights, at least one) as the forward pass groups them; remembered per machine in
+        the Tandem cache folder."""
+        groups, size = [], 0
+        for layer in self.decoder_layers():
+            groups += [list(group.layers) if isinstance(group, FusedProjections) else [group]
+                       for group in self.linear_groups(layer)]
+            size += sum(p.numel() * p.element_size() for p in layer.parameters())
+            if size >= CALIBRATION_BYTES:
+                break
+        return cpu_linear.fastest_layout(groups, self.lm_head.weight.dtype,
+                                         cache_dir() / "cpu_linear_layouts.json")
+
+    def packed_weights(self) -> list[PackedWeight]:
+        """Every packed copy of a weight the forward pass multiplies through (none unpacked)."""
+        owners = [*self.fused_projections(), *(m for m in self.modules() if isinstance(m, Linear))]
+        return [owner.packed for owner in owners if isinstance(owner.packed, PackedWeight)]
+
+    def lora_layers(self) -> dict[str, tuple[LoraLinear, int]]:
+        """The layers that add a run-time LoRA adapter, by Hugging Face weight name, each
+        with the part of the layer the name is (0 for a layer of one part)."""
+        modules = dict(self.named_modules())
+        layers = {}
+        for name, target in self.weight_spec().items():
+            module = modules[target.parameter.rpartition(".")[0]]
+            if isinstance(module, LoraLinear) and target.parameter.endswith(".weight"):
+                layers[name] = (module, target.slot[0][0] if target.slot else 0)
+        return layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states ``[tokens, hidden]`` of every token in the step."""
+        raise NotImplementedError

@@ -1,0 +1,191 @@
+"""The layers every model family builds on: linear layers that pack on CPU, split under
+tensor parallelism and take LoRA adapters at run time; RMSNorm; the vocabulary-parallel
+embedding.
+
+Each layer declares its tensor-parallel split and the Hugging Face tensors it holds
+(``weight_targets``): a model's weight spec (``base.CausalLM.weight_spec``) is theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from tandem.kernels import KernelOps
+from tandem.kernels.cpu_linear import PackedWeight
+
+from ...parallel.tensor_parallel import ROW, ROW_BIAS, VOCAB, TensorParallel, shard_range
+from .weight_spec import WeightTarget
+
+
+class Linear(nn.Linear):
+    """A linear layer that multiplies through a packed copy of its weight when it has one
+    (``packed``, set on CPU by ``pack_linear_weights``; see ``kernels/cpu_linear.py``), or
+    through a kernel of its own (``LiveLinear``, set by ``multiply_through``).
+
+    Args:
+        split: how tensor parallelism splits it (``tensor_parallel.SPLITS``): ``"column"``
+            by output, ``"kv_heads"`` by output in whole KV heads, ``"row"`` by input,
+            ``"vocab"`` by vocabulary rows; None replicated.
+        parts: the Hugging Face modules whose weights it stacks along its outputs, in
+            equal parts (vLLM's merged column-parallel layer, e.g. ``("gate_proj",
+            "up_proj")`` for a ``gate_up_proj``); empty when it is one Hugging Face module.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 split: str | None = None, parts: tuple[str, ...] = ()) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.split = split
+        self.parts = parts
+        self.packed: PackedWeight | LiveLinear | None = None
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        """This layer's Hugging Face tensors (``prefix`` its module name) and where each
+        goes: its own weight and bias, or each part's, in its slot."""
+        kinds = {"weight": self.split, "bias": ROW_BIAS if self.split == ROW else self.split}
+        names = [name for name, _ in self.named_parameters(recurse=False)]
+        if not self.parts:
+            return {f"{prefix}.{name}": WeightTarget(f"{prefix}.{name}", kinds[name])
+                    for name in names}
+        module = prefix.rpartition(".")[0]
+        return {f"{module}.{part}.{name}": WeightTarget(f"{prefix}.{name}", kinds[name],
+                                                        ((index, len(self.parts)),))
+                for index, part in enumerate(self.parts) for name in names}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b``."""
+        return F.linear(x, self.weight, self.bias) if self.packed is None else self.packed(x)
+
+
+class LoraLinear(Linear):
+    """A linear layer that can add a LoRA adapter at run time: ``x W^T + s (x A^T) B^T``.
+
+    The factors are non-persistent buffers, so they follow the model across devices. A
+    layer of several ``parts`` serves one adapter per part (``stack_lora``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 split: str | None = None, parts: tuple[str, ...] = ()) -> None:
+        super().__init__(in_features, out_features, bias, split, parts)
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+        self.lora_scale = 0.0
+        self.lora_product: Callable[..., torch.Tensor] = F.linear  # the adapter's matmul
+
+    def set_lora(self, factors: tuple[torch.Tensor, torch.Tensor, float] | None) -> None:
+        """Serve ``(A [r, in], B [out, r], scale)`` from now on, or no adapter (None)."""
+        if factors is None:
+            self.lora_a = self.lora_b = None
+            return
+        lora_a, lora_b, self.lora_scale = factors
+        self.lora_a = lora_a.to(self.weight.device, self.weight.dtype)
+        self.lora_b = lora_b.to(self.weight.device, self.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The linear map, plus the adapter's low-rank term when one is set."""
+        return self.add_lora(x, super().forward(x))
+
+    def add_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (this layer's ``x W^T + b``) plus the adapter's term of ``x``, if any."""
+        if self.lora_a is None:
+            return out
+        product = self.lora_product
+        return out + product(product(x, self.lora_a), self.lora_b) * self.lora_scale
+
+
+class LiveLinear:
+    """A layer's multiply by ``linear(x, weight, bias)`` with its weight as it is at each
+    call (no copy, so an aliased or trainer-bound weight is always current)."""
+
+    __slots__ = ("layer", "linear")
+
+    def __init__(self, layer: nn.Linear, linear: Callable[..., torch.Tensor]) -> None:
+        self.layer, self.linear = layer, linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b``."""
+        return self.linear(x, self.layer.weight, self.layer.bias)
+
+
+class FusedProjections:
+    """Projections that read the same input (q/k/v, gate/up), each keeping its own module,
+    Hugging Face name, weight and LoRA adapter. With ``packed`` set (on CPU, by
+    ``pack_linear_weights``) they multiply as one packed matrix; else each on its own."""
+
+    __slots__ = ("layers", "sizes", "packed")
+
+    def __init__(self, *layers: LoraLinear) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.packed: PackedWeight | None = None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each projection of ``x``, in order."""
+        if self.packed is None:
+            return [layer(x) for layer in self.layers]
+        outs = self.packed(x).split(self.sizes, dim=-1)
+        return [layer.add_lora(x, out) for layer, out in zip(self.layers, outs, strict=True)]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: KernelOps) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` (plus ``residual``, returning the sum too; see ``rms_norm``)."""
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+
+class VocabEmbedding(nn.Embedding):
+    """The token embedding; under tensor parallelism this rank's rows of the vocabulary
+    (``vocab_rows``, the LM head's), each token looked up on the rank that holds it and the
+    ranks' rows added by one all-reduce (zeros elsewhere), as vLLM's vocabulary-parallel
+    embedding does."""
+
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel) -> None:
+        self.vocab_rows = shard_range(VOCAB, (config.vocab_size,), config, tp) \
+            or (0, 0, config.vocab_size)
+        super().__init__(self.vocab_rows[2] - self.vocab_rows[1], config.hidden_size)
+        self.tp = tp
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        """The embedding, split by vocabulary rows."""
+        return {f"{prefix}.weight": WeightTarget(f"{prefix}.weight", VOCAB)}
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``[tokens, hidden]`` of ``input_ids``."""
+        if self.tp.size == 1:
+            return super().forward(input_ids)
+        _, start, stop = self.vocab_rows
+        local = input_ids - start
+        elsewhere = (local < 0) | (local >= stop - start)
+        hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
+def stack_lora(parts: list[tuple[torch.Tensor, torch.Tensor, float] | None], sizes: list[int]
+               ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """One adapter for a layer of several parts from each part's ``(A, B, scale)`` (None:
+    that part has none): the A's stacked, the B's block-diagonal with each scale folded in,
+    so ``x A^T B^T`` gives every part its own term in its own rows (``sizes`` each)."""
+    given = [factors for factors in parts if factors is not None]
+    lora_a = torch.cat([a for a, _, _ in given])
+    lora_b = lora_a.new_zeros(sum(sizes), lora_a.shape[0])
+    row, rank = 0, 0
+    for factors, size in zip(parts, sizes, strict=True):
+        if factors is not None:
+            a, b, scale = factors
+            lora_b[row:row + size, rank:rank + a.shape[0]] = b * scale
+            rank += a.shape[0]
+        row += size
+    return lora_a, lora_b, 1.0
