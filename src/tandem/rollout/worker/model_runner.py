@@ -143,7 +143,7 @@ class ModelRunner:
         """Under tensor parallelism: cut this rank's slice of each full staged tensor, check
         it, and copy the slices in only if no rank refused its own (one vote); returns the
         refusing ranks."""
-        parameters, config = self.weight_parameters(), self.model.config
+        parameters, config = self._parameters, self.model.config  # this rank's slices
         try:
             slices = {name: local_slice(self.weight_spec[name].split, tensor, config, self.tp).to(
                 parameters[name].device, parameters[name].dtype, copy=True)

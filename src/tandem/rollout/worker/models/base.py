@@ -5,8 +5,8 @@ A family subclasses ``CausalLM``, builds its layers from ``layers.py`` (whose li
 declare their tensor-parallel split and Hugging Face tensors), and provides:
 
 - ``__init__(config, max_position, device, ops, tp)``: this rank's slice of the model, every
-  kernel through ``ops``, with ``lm_head`` (a ``Linear`` of this rank's vocabulary rows)
-  and ``rotary_emb`` (its rotary tables, which are not buffers);
+  kernel through ``ops``, with ``lm_head`` (a ``Linear`` split ``"vocab"``: this rank's
+  vocabulary rows) and ``rotary_emb`` (its rotary tables, which are not buffers);
 - ``forward(input_ids, positions, metadata)``: the final hidden states of a step's tokens;
 - ``input_embedding()``, ``decoder_layers()``, ``attention_layers()`` (each holding
   ``k_cache``/``v_cache`` bound to the pool), and ``linear_groups(layer)``: a layer's

@@ -19,7 +19,14 @@ from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, KernelOps
 
-from ...parallel.tensor_parallel import COLUMN, KV_HEADS, ROW, TensorParallel, local_heads
+from ...parallel.tensor_parallel import (
+    COLUMN,
+    KV_HEADS,
+    ROW,
+    VOCAB,
+    TensorParallel,
+    local_heads,
+)
 from .base import CausalLM, KVShape
 from .layers import FusedProjections, Linear, LoraLinear, RMSNorm, VocabEmbedding
 from .rotary import RotaryEmbedding, check_rope_type
@@ -168,7 +175,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config, self.arch, max_position, device, ops, tp)
         self.rotary_emb = self.model.rotary_emb
         _, start, stop = self.model.embed_tokens.vocab_rows
-        self.lm_head = Linear(config.hidden_size, stop - start, bias=False)
+        self.lm_head = Linear(config.hidden_size, stop - start, False, VOCAB)
         self.tie_weights()
 
     @classmethod
