@@ -22,7 +22,6 @@ from .core.held import Continuation, HeldSequences
 from .core.scheduler import Scheduler
 from .core.sequence import Request, Sequence
 from .default_model import resolve_model
-from .engine_stats import SleepWakeSeconds, engine_stats
 from .errors import EngineAsleepError
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
@@ -30,6 +29,7 @@ from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .parallel.executor import make_runner
 from .sampling_params import SamplingParams
+from .sleep_mode import SleepWakeSeconds
 from .step_overlap import StepOverlap
 from .worker.cpu_allocator import keep_freed_memory
 from .worker.memory import size_kv_cache
@@ -238,8 +238,24 @@ class LLMEngine:
         return bool(self.requests)
 
     def stats(self) -> dict[str, int | float]:
-        """The engine's counters (see ``engine_stats``)."""
-        return engine_stats(self)
+        """The engine's counters, each component's own (``ModelRunner.stats``,
+        ``BlockManager.stats``, ``Scheduler.stats``) with the engine's.
+
+        Memory held (and, when sized from a device share, the plan's parts as ``memory_*``),
+        the decode graphs, the last sleep's and wake-up's seconds by part
+        (``SleepWakeSeconds``), KV pool use (``kv_blocks_used_peak``: the most blocks held at
+        once since the engine was last idle), queue lengths, weight version, prefix-cache
+        hits, copy-on-write copies, preemptions, prefill tokens computed, decode steps and
+        the sequences they decoded (since the pool was made) and held sequences.
+        """
+        plan = self.memory_plan.as_stats() if self.memory_plan else {}
+        return plan | self.sleep_wake_seconds.as_stats() | self.runner.stats() \
+            | self.block_manager.stats() | self.scheduler.stats() | {
+                "sleep_level": self.sleep_level,
+                "kv_blocks_used_peak": self.kv_blocks_used_peak,
+                "weight_version": self.weight_version,
+                "held_sequences": len(self.held),
+            }
 
     def weight_update(self, version: int | None = None, full: bool = True,
                       alias: bool = False, copy: bool = True) -> WeightUpdate:
