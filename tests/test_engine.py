@@ -189,6 +189,32 @@ def test_stats_report_the_peak_kv_use_of_the_last_busy_period(llama_dir):
     assert llm.stats()["kv_blocks_used_peak"] == 1
 
 
+def test_stats_keep_the_names_metrics_and_trainers_read(llm):
+    # Each part reports its own counters (runner, block manager, scheduler): a rename there
+    # would silently drop a /metrics gauge or a round metric.
+    assert set(llm.stats()) == {
+        "sleep_seconds", "sleep_kv_cache_seconds", "sleep_weights_seconds", "wake_seconds",
+        "wake_weights_seconds", "wake_kv_cache_seconds", "wake_capture_seconds", "sleep_level",
+        "weight_bytes", "kv_cache_bytes", "num_decode_graphs", "graph_captures",
+        "graph_capture_seconds", "graph_bytes", "kv_blocks_total", "kv_blocks_used",
+        "kv_blocks_used_peak", "kv_blocks_cached_free", "num_running", "num_waiting",
+        "weight_version", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
+        "cow_copies", "preemptions", "prefill_tokens", "decode_steps", "decoded_seqs",
+        "held_sequences"}
+
+
+def test_waiting_request_ids_name_the_requests_not_yet_admitted(llama_dir):
+    engine = LLMEngine(EngineConfig(model=str(llama_dir), num_kv_blocks=40, max_model_len=256,
+                                    max_num_seqs=2))
+    engine.add_requests(["a", "b", "c"], [[5, 6], [7, 8], [9, 10]],
+                        [greedy(4, ignore_eos=True)] * 3)
+    assert engine.waiting_request_ids() == {"a", "b", "c"}
+    engine.step()  # two sequences run at most: the third waits
+    assert engine.waiting_request_ids() == {"c"}
+    engine.abort_request("c")
+    assert engine.waiting_request_ids() == set()
+
+
 @pytest.mark.parametrize("tune", [True, False])
 def test_cpu_engine_tunes_malloc_unless_told_not_to(llama_dir, monkeypatch, tune):
     calls = []

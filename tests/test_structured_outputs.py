@@ -191,6 +191,10 @@ def test_each_distinct_spec_compiles_once(llm, monkeypatch):
     llm.engine.input_processor.grammars._grammars.clear()
     for pattern in ("x[0-9]", "x[0-9]", "y[0-9]"):
         sample(llm, dict(regex=pattern), n=2, max_tokens=4)
+    # The trainer's replay (LLM.compile_grammar) gets the grammar the engine masked with.
+    assert llm.compile_grammar(SamplingParams()) is None
+    assert llm.compile_grammar(SamplingParams(
+        structured_outputs=StructuredOutputsParams(regex="x[0-9]"))) is not None
     assert [p.regex for p in calls] == ["x[0-9]", "y[0-9]"]
 
 

@@ -22,16 +22,19 @@ from .core.held import Continuation, HeldSequences
 from .core.scheduler import Scheduler
 from .core.sequence import Request, Sequence
 from .default_model import resolve_model
-from .engine_stats import SleepWakeSeconds, engine_stats
 from .errors import EngineAsleepError
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 from .parallel.executor import make_runner
+from .parallel.tensor_parallel import TensorParallel
 from .sampling_params import SamplingParams
+from .sleep_mode import SleepWakeSeconds
 from .step_overlap import StepOverlap
+from .structured_outputs import Grammar
 from .worker.cpu_allocator import keep_freed_memory
+from .worker.exact_forward import ExactForward
 from .worker.memory import size_kv_cache
 from .worker.models import model_class
 
@@ -110,6 +113,20 @@ class LLMEngine:
         (ValueError as ``InputProcessor.apply_chat_template``)."""
         return self.input_processor.apply_chat_template(conversation, add_generation_prompt, tools)
 
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled constraint of ``params.structured_outputs`` (None without one),
+        compiled once per spec and cached (``InputProcessor.grammar``).
+
+        Raises:
+            ValueError: for a spec that does not compile.
+        """
+        return self.input_processor.grammar(params)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The runner's tensor-parallel group (size 1 without tensor parallelism)."""
+        return self.runner.tp
+
     def add_request(self, request_id: str, prompt: EnginePrompt,
                     sampling_params: SamplingParams, hold_kv: bool = False) -> None:
         """Queue a prompt (text, ids, processed, or a ``Continuation``); its ``n`` sequences
@@ -138,7 +155,7 @@ class LLMEngine:
                                     "wake_up() before generating.")
         self._check_new_requests(request_ids, prompts, params, hold_kv)
         resolved = [self._resolve(prompt) for prompt in prompts]
-        grammars = [self.input_processor.grammar(p) for p in params]
+        grammars = [self.compile_grammar(p) for p in params]
         continued = [held for _, held in resolved if held is not None]
         if len({id(seq) for seq in continued}) < len(continued):
             raise ValueError("one call continues a held completion twice: continue it once.")
@@ -238,9 +255,39 @@ class LLMEngine:
         """True while any request is queued or running."""
         return bool(self.requests)
 
+    def waiting_request_ids(self) -> set[str]:
+        """The ids of the requests with a sequence in the scheduler's waiting queue."""
+        return {seq.request_id for seq in self.scheduler.waiting}
+
     def stats(self) -> dict[str, int | float]:
-        """The engine's counters (see ``engine_stats``)."""
-        return engine_stats(self)
+        """The engine's counters, each component's own (``ModelRunner.stats``,
+        ``BlockManager.stats``, ``Scheduler.stats``) with the engine's.
+
+        Memory held (and, when sized from a device share, the plan's parts as ``memory_*``),
+        the decode graphs, the last sleep's and wake-up's seconds by part
+        (``SleepWakeSeconds``), KV pool use (``kv_blocks_used_peak``: the most blocks held at
+        once since the engine was last idle), queue lengths, weight version, prefix-cache
+        hits, copy-on-write copies, preemptions, prefill tokens computed, decode steps and
+        the sequences they decoded (since the pool was made) and held sequences.
+        """
+        plan = self.memory_plan.as_stats() if self.memory_plan else {}
+        return plan | self.sleep_wake_seconds.as_stats() | self.runner.stats() \
+            | self.block_manager.stats() | self.scheduler.stats() | {
+                "sleep_level": self.sleep_level,
+                "kv_blocks_used_peak": self.kv_blocks_used_peak,
+                "weight_version": self.weight_version,
+                "held_sequences": len(self.held),
+            }
+
+    def exact_forward(self, model: torch.nn.Module,
+                      lora_runtime: bool = False) -> ExactForward | None:
+        """A forward pass of ``model`` (the trainer's copy of this engine's model) that gives
+        the log-probs this engine samples with, bit for bit (``ExactForward``); None when the
+        kernels are not batch-invariant (``exact_logprobs`` off) or split over ranks."""
+        runner = self.runner
+        if not runner.exact_logprobs or runner.tp.size > 1:
+            return None
+        return ExactForward(model, runner.model, runner.ops, lora_runtime)
 
     def weight_update(self, version: int | None = None, full: bool = True,
                       alias: bool = False, copy: bool = True) -> WeightUpdate:

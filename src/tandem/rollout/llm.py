@@ -19,7 +19,9 @@ from .core.held import Continuation
 from .engine import LLMEngine
 from .input_processor import Prompt
 from .outputs import RequestOutput
+from .parallel.tensor_parallel import TensorParallel
 from .sampling_params import SamplingParams
+from .structured_outputs import Grammar
 from .worker.exact_forward import ExactForward
 
 Conversation = list[dict[str, str]]
@@ -135,10 +137,17 @@ class LLM:
         (``exact_forward.py``); its adapter as this engine gets it, merged, or added at run
         time with ``lora_runtime``. None when the engine's kernels are not batch-invariant
         (``exact_logprobs`` off) or it is split over ranks."""
-        runner = self.engine.runner
-        if not runner.exact_logprobs or runner.tp.size > 1:
-            return None
-        return ExactForward(model, runner.model, runner.ops, lora_runtime)
+        return self.engine.exact_forward(model, lora_runtime)
+
+    @property
+    def tensor_parallel(self) -> TensorParallel:
+        """The engine's tensor-parallel group (size 1 without tensor parallelism)."""
+        return self.engine.tensor_parallel
+
+    def compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """The compiled constraint of ``params.structured_outputs`` (None without one), as
+        the engine masks with it (see ``LLMEngine.compile_grammar``)."""
+        return self.engine.compile_grammar(params)
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters (see ``LLMEngine.stats``)."""

@@ -1,19 +1,50 @@
 """Sleep mode: the engine frees its KV pool (level 2 also moves its weights to host memory)
 while a trainer steps, and restores both at the same addresses, so the decode graphs stay
 valid (``ModelRunner.graphs_current``). ``LLMEngine.sleep`` and ``wake_up`` call these
-under the engine's lock, timing each part (``stats()``'s ``sleep_*`` and ``wake_*``
-seconds).
+under the engine's lock, timing each part in ``SleepWakeSeconds`` (``stats()``'s
+``sleep_*`` and ``wake_*`` seconds).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import time
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .engine import LLMEngine
 
 WAKE_TAGS = ("weights", "kv_cache")
+
+
+@dataclass(slots=True)
+class SleepWakeSeconds:
+    """Seconds the last ``sleep`` and ``wake_up`` took, whole and by part: vLLM's tags
+    (``kv_cache``, ``weights``) and the decode graphs' capture on wake (about 0 when the
+    graphs were kept). A part with nothing to do records about 0."""
+
+    sleep: float = 0.0
+    sleep_kv_cache: float = 0.0
+    sleep_weights: float = 0.0
+    wake: float = 0.0
+    wake_weights: float = 0.0
+    wake_kv_cache: float = 0.0
+    wake_capture: float = 0.0
+
+    @contextmanager
+    def timing(self, part: str) -> Iterator[None]:
+        """Record the seconds the block takes as ``part`` (a field), even if it raises."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, part, time.perf_counter() - start)
+
+    def as_stats(self) -> dict[str, float]:
+        """The parts as ``stats()`` keys (``<part>_seconds``)."""
+        return {f"{part}_seconds": seconds for part, seconds in asdict(self).items()}
 
 
 def sleep(engine: LLMEngine, level: int, preempt: bool) -> None:

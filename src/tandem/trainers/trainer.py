@@ -228,7 +228,7 @@ class Trainer:
         if collector is None:
             collector = make_collector(self.llm, self.tokenizer, rollout or self.config.rollout,
                                        seed, self.task.environment)
-        return shared_rollouts(self.llm.engine.runner.tp, examples, lambda shared, keep: (
+        return shared_rollouts(self.llm.tensor_parallel, examples, lambda shared, keep: (
             generate_groups(self.llm, collector, shared, self._score_group,
                             self._extra_example, keep)))
 
@@ -271,7 +271,7 @@ class Trainer:
         rollout = self.config.rollout  # replay what the engine's sampling kept, if it cut
         tokens.replay = sampling_replay(
             batch.sampling_thresholds, batch.completion_ids,
-            self.llm.engine.input_processor.grammar(rollout_params(rollout, 0)),
+            self.llm.compile_grammar(rollout_params(rollout, 0)),
             tokens.num_completion_slots, rollout.top_k, rollout.top_p, device)
         targets = self.algorithm.prepare(
             rewards.to(device), batch.group_ids.to(device), mask,

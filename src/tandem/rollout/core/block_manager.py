@@ -136,6 +136,19 @@ class BlockManager:
         """Free blocks that still hold a registered hash (reusable by a cache hit)."""
         return len(self.cached_free_block_ids)
 
+    def stats(self) -> dict[str, int]:
+        """The pool's counters: blocks in all, held and free with cached content
+        (``kv_blocks_*``), prompt tokens looked up in and found in the prefix cache
+        (``prefix_cache_*_tokens``), and copy-on-write copies (``cow_copies``)."""
+        return {
+            "kv_blocks_total": self.num_blocks,
+            "kv_blocks_used": self.num_used_blocks,
+            "kv_blocks_cached_free": self.num_cached_free_blocks,
+            "prefix_cache_queried_tokens": self.num_queried_tokens,
+            "prefix_cache_hit_tokens": self.num_hit_tokens,
+            "cow_copies": self.num_cow_copies,
+        }
+
     def allocate_slots(self, seq: Sequence, token_budget: int,
                        use_cache: bool = True) -> SlotAllocation | None:
         """Make ``seq`` ready to compute its next tokens, at most ``token_budget`` of them.

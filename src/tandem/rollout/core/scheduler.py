@@ -70,6 +70,19 @@ class Scheduler:
         """Queue a new sequence at the back of the waiting queue."""
         self.waiting.append(seq)
 
+    def stats(self) -> dict[str, int]:
+        """The queues' lengths (``num_running``, ``num_waiting``, in sequences) and what
+        this scheduler did since it was made: ``preemptions``, ``prefill_tokens`` computed,
+        ``decode_steps`` and the ``decoded_seqs`` they decoded."""
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "preemptions": self.num_preemptions,
+            "prefill_tokens": self.num_prefill_tokens,
+            "decode_steps": self.num_decode_steps,
+            "decoded_seqs": self.num_decoded_seqs,
+        }
+
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences: decodes, then running prefills, then admissions."""
         batch = ScheduledBatch()

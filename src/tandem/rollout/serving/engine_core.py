@@ -127,7 +127,7 @@ class EngineCore:
             progress = self._streams.get(request_id)
             if progress is not None:
                 report.deltas[request_id] = self._deltas(request, progress)
-        waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
+        waiting = self.engine.waiting_request_ids()
         if waiting != self._waiting:
             report.waiting = self._waiting = waiting
         return report
@@ -164,7 +164,7 @@ class EngineCore:
         if stream:
             for request_id, request_params in zip(request_ids, params):
                 self._streams[request_id] = _StreamProgress([0] * request_params.n)
-        self._waiting = {seq.request_id for seq in self.engine.scheduler.waiting}
+        self._waiting = self.engine.waiting_request_ids()
         return set(self._waiting)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput | None]:

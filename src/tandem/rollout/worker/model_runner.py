@@ -395,6 +395,18 @@ class ModelRunner:
         it scores (``InputBatch.prepare``)."""
         return self.input_batch.prepare(batch)
 
+    def stats(self) -> dict[str, int | float]:
+        """This rank's memory (``weight_bytes``, ``kv_cache_bytes``) and decode graphs: how
+        many, how often captured, and the seconds and device bytes their last capture took."""
+        return {
+            "weight_bytes": self.weight_bytes(),
+            "kv_cache_bytes": self.kv_cache_bytes(),
+            "num_decode_graphs": len(self.graphs.graphs) if self.graphs else 0,
+            "graph_captures": self.graph_captures,
+            "graph_capture_seconds": self.graph_capture_seconds,
+            "graph_bytes": self.graph_bytes,
+        }
+
 
 def check_exact_shapes(shape: KVShape) -> None:
     """Raise ValueError when the compiled attention, the only batch-invariant one, does not
