@@ -12,7 +12,7 @@ import torch
 from tandem.rollout.core.block_manager import BlockManager
 from tandem.rollout.core.held import HeldSequences
 from tandem.rollout.core.scheduled_batch import ScheduledBatch
-from tandem.rollout.core.scheduler import Scheduler
+from tandem.rollout.core.scheduler import Scheduler, SchedulerConfig
 from tandem.rollout.core.sequence import Request
 from tandem.rollout.outputs import SamplerOutput
 from tandem.rollout.sampling_params import SamplingParams
@@ -67,11 +67,9 @@ def add_request(scheduler: Scheduler, request_id: int, rng: random.Random, seq_i
 @pytest.mark.parametrize("seed", range(6))
 def test_step_inputs_match_a_flattening_from_scratch_every_step(seed):
     rng = random.Random(seed)
-    scheduler = Scheduler(BlockManager(num_blocks=rng.choice([10, 16]), block_size=BLOCK_SIZE),
-                          max_num_seqs=12, max_num_batched_tokens=rng.choice([6, 24]),
-                          eos_token_ids={0}, max_model_len=64,
-                          match_stop_string=lambda seq: None, held=HeldSequences(),
-                          group_decodes=False)
+    blocks = BlockManager(num_blocks=rng.choice([10, 16]), block_size=BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(12, rng.choice([6, 24]), 64), blocks, {0},
+                          lambda seq: None, HeldSequences())
     inputs = InputBatch(BLOCK_SIZE, torch.device("cpu"), cascade=False)
     seq_ids, requests = iter(range(10**6)), 0
     for _ in range(150):

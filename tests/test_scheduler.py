@@ -5,7 +5,7 @@ from __future__ import annotations
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.core.block_manager import BlockManager
 from tandem.rollout.core.held import HeldSequences
-from tandem.rollout.core.scheduler import MAX_SCORED_TOKENS, Scheduler
+from tandem.rollout.core.scheduler import MAX_SCORED_TOKENS, Scheduler, SchedulerConfig
 from tandem.rollout.core.sequence import Sequence
 from tandem.rollout.outputs import SamplerOutput
 
@@ -47,10 +47,9 @@ def make_seq(seq_id: int, num_tokens: int) -> Sequence:
 
 
 def make_scheduler(max_num_batched_tokens: int) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks=32, block_size=4), max_num_seqs=8,
-                     max_num_batched_tokens=max_num_batched_tokens, eos_token_ids={0},
-                     max_model_len=64, match_stop_string=lambda seq: None,
-                     held=HeldSequences(), group_decodes=True)
+    return Scheduler(SchedulerConfig(8, max_num_batched_tokens, 64, True),
+                          BlockManager(num_blocks=32, block_size=4), {0}, lambda seq: None,
+                          HeldSequences())
 
 
 def test_step_puts_decodes_first_then_prefill_chunks_within_budget():
@@ -116,10 +115,9 @@ def test_a_step_scores_at_most_max_scored_tokens_prompt_positions():
     """Chunks that score prompt log-probs share MAX_SCORED_TOKENS a step (their logits are
     the step's largest tensors); a prompt that would score more waits for the next step,
     and the queue behind it with it (first come, first served)."""
-    scheduler = Scheduler(BlockManager(num_blocks=512, block_size=16), max_num_seqs=8,
-                          max_num_batched_tokens=4096, eos_token_ids={0}, max_model_len=2048,
-                          match_stop_string=lambda seq: None, held=HeldSequences(),
-                          group_decodes=True)
+    scheduler = Scheduler(SchedulerConfig(8, 4096, 2048, True),
+                          BlockManager(num_blocks=512, block_size=16), {0}, lambda seq: None,
+                          HeldSequences())
     scored = [make_seq(i, 700) for i in (1, 2)]
     for seq in scored:
         seq.sampling_params = SamplingParams(prompt_logprobs=1)

@@ -19,7 +19,7 @@ from . import sleep_mode
 from .config import EngineConfig
 from .core.block_manager import BlockManager
 from .core.held import Continuation, HeldSequences
-from .core.scheduler import Scheduler
+from .core.scheduler import Scheduler, SchedulerConfig
 from .core.sequence import Request, Sequence
 from .default_model import resolve_model
 from .errors import EngineAsleepError
@@ -93,10 +93,10 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching)
         self.block_manager.extra_key = (self.weight_version, None)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs,
-                                   self.config.max_num_batched_tokens, self.eos_token_ids,
-                                   self.max_model_len, self.output_processor.match_stop_string,
-                                   self.held, self.runner.ops.attention.cascade)
+        self.scheduler = Scheduler(SchedulerConfig(
+            self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,
+            self.runner.ops.attention.cascade), self.block_manager, self.eos_token_ids,
+            self.output_processor.match_stop_string, self.held)
         self.scheduler.waiting.extend(waiting)
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:

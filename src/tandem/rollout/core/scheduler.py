@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ..outputs import SamplerOutput
 from .block_manager import BlockManager
@@ -29,38 +30,49 @@ StopStringMatcher = Callable[[Sequence], str | None]
 MAX_SCORED_TOKENS = 512
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's part of the engine's configuration, resolved
+    (``EngineConfig.scheduler_config``).
+
+    Attributes:
+        max_num_seqs: most sequences running at once.
+        max_num_batched_tokens: most tokens computed in one step.
+        max_model_len: the longest sequence.
+        group_decodes: hand the runner each request's decode groups (only an attention
+            backend that reads the cascade layout uses them: the torch kernels').
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    group_decodes: bool = False
+
+
 class Scheduler:
     """Admits, batches, preempts and retires sequences under a token and a block budget.
 
     Args:
+        config: the budgets and the batch's layout.
         block_manager: the KV pool's bookkeeping.
-        max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: most tokens computed in one step.
         eos_token_ids: the model's end-of-sequence tokens.
-        max_model_len: the longest sequence.
         match_stop_string: the stop string a sequence's newest text holds, if any (the
             output processor's incremental detokenizer); asked only of requests with
             stop strings.
         held: the finished sequences kept for continuation (their blocks are released,
             least recently finished first, before any running sequence is preempted).
-        group_decodes: hand the runner each request's decode groups (only the cascade
-            attention of the torch kernels reads them; the Triton kernels do not).
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, eos_token_ids: set[int], max_model_len: int,
-                 match_stop_string: StopStringMatcher, held: HeldSequences,
-                 group_decodes: bool) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 eos_token_ids: set[int], match_stop_string: StopStringMatcher,
+                 held: HeldSequences) -> None:
+        self.config = config
         self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = eos_token_ids
-        self.max_model_len = max_model_len
         self.match_stop_string = match_stop_string
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.held = held
-        self.group_decodes = group_decodes
         self.num_preemptions = 0
         self.num_prefill_tokens = 0
         self.num_decode_steps = 0  # steps that decoded, and the sequences they decoded
@@ -86,11 +98,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Pick this step's sequences: decodes, then running prefills, then admissions."""
         batch = ScheduledBatch()
-        budget = self._schedule_decodes(batch, self.max_num_batched_tokens)
+        budget = self._schedule_decodes(batch, self.config.max_num_batched_tokens)
         batch.num_decodes = len(batch.seqs)
         self.num_decode_steps += bool(batch.num_decodes)
         self.num_decoded_seqs += batch.num_decodes
-        if self.group_decodes:
+        if self.config.group_decodes:
             batch.decode_groups = self._decode_groups(batch.seqs)
         for seq in [s for s in self.running if s.num_uncomputed_tokens > 1]:
             if budget == 0 or self._defers(seq, budget):
@@ -116,7 +128,7 @@ class Scheduler:
         previous one (shortest remaining work first). Past half the budget the smaller
         step costs little.
         """
-        if budget * 2 > self.max_num_batched_tokens or seq.num_uncomputed_tokens <= budget:
+        if budget * 2 > self.config.max_num_batched_tokens or seq.num_uncomputed_tokens <= budget:
             return False  # (fitting uncached, it needs no prefix lookup, which hashes)
         return self.block_manager.num_tokens_to_compute(seq, _uses_cache(seq)) > budget
 
@@ -217,7 +229,7 @@ class Scheduler:
 
     def _can_admit(self, seq: Sequence) -> bool:
         """True when ``seq`` and the rest of its group fit under ``max_num_seqs``."""
-        return len(self.running) + 1 + len(seq.pending_children) <= self.max_num_seqs
+        return len(self.running) + 1 + len(seq.pending_children) <= self.config.max_num_seqs
 
     def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -304,7 +316,7 @@ class Scheduler:
         """True when ``seq``'s tokens, pending ones counted, reach ``max_tokens`` or
         ``max_model_len``."""
         return (seq.num_tokens - seq.num_prompt_tokens >= seq.sampling_params.max_tokens
-                or seq.num_tokens >= self.max_model_len)
+                or seq.num_tokens >= self.config.max_model_len)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """The finish reason if ``seq``'s newest token ends it ("stop" or "length"), else None.
@@ -326,7 +338,7 @@ class Scheduler:
             if matched is not None:
                 seq.stop_reason = matched
                 return "stop"
-        if num_output_tokens >= params.max_tokens or len(token_ids) >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or len(token_ids) >= self.config.max_model_len:
             return "length"
         return None
 
