@@ -123,25 +123,30 @@ class EngineConfig:
             return self.torch_device.type == "cuda"
         return self.async_scheduling
 
-    def exact(self, dtype: torch.dtype) -> bool:
+    def exact(self, dtype: torch.dtype, model_invariant: bool = True) -> bool:
         """Whether the engine runs the batch-invariant kernels (``exact_logprobs``) in
-        ``dtype``, the model's.
+        ``dtype``, the model's, for a model family whose layers support them
+        (``model_invariant``; ``CausalLM.batch_invariant``).
 
         Raises:
             ValueError: when ``exact_logprobs=True`` asks for them where they do not run.
         """
-        reason = _inexact_reason(self, dtype)
+        reason = _inexact_reason(self, dtype) or (
+            None if model_invariant else "is not built yet for this model's layers (its "
+            "experts run through kernels that are not batch-invariant)")
         if self.exact_logprobs and reason:
             raise ValueError(f"exact_logprobs=True {reason}; set exact_logprobs=False.")
         return bool(self.exact_logprobs is not False and not reason)
 
     def worker_config(self, model_dir: str, dtype: torch.dtype, max_model_len: int,
-                      eos_token_ids: set[int]) -> WorkerConfig:
-        """The runner's part of this config, resolved for a model folder, dtype and length."""
+                      eos_token_ids: set[int], model_invariant: bool = True) -> WorkerConfig:
+        """The runner's part of this config, resolved for a model folder, dtype and length
+        (``model_invariant``: see ``exact``)."""
         return WorkerConfig(str(model_dir), str(dtype).removeprefix("torch."),
                             str(self.torch_device), max_model_len, self.block_size,
                             self.attention_backend, self.enforce_eager, self.max_num_seqs,
-                            self.exact(dtype), self.seed, tuple(sorted(eos_token_ids)))
+                            self.exact(dtype, model_invariant), self.seed,
+                            tuple(sorted(eos_token_ids)))
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""

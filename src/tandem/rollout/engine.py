@@ -54,7 +54,7 @@ class LLMEngine:
         self.config = config
         model_dir = resolve_model(config.model)
         hf_config = AutoConfig.from_pretrained(model_dir)
-        model_class(hf_config)  # refuses an unsupported architecture before any loading
+        family = model_class(hf_config)  # refuses an unsupported architecture up front
         self.tokenizer = load_tokenizer(model_dir)
         self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
         self.max_model_len = resolve_max_model_len(config, hf_config)
@@ -62,9 +62,10 @@ class LLMEngine:
         dtype = config.torch_dtype(getattr(hf_config, "dtype", None))
         if device.type == "cpu" and config.tune_cpu_allocator:
             keep_freed_memory()
-        self.runner = make_runner(config.worker_config(
-            model_dir, dtype, self.max_model_len, self.eos_token_ids), hf_config,
-            config.tensor_parallel_size, config.distributed_executor_backend == "external_launcher")
+        worker = config.worker_config(model_dir, dtype, self.max_model_len, self.eos_token_ids,
+                                      family.batch_invariant)
+        self.runner = make_runner(worker, hf_config, config.tensor_parallel_size,
+                                  config.distributed_executor_backend == "external_launcher")
         kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
                                 self.runner.weight_bytes(), self.runner.graph_sizes)
         self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
@@ -333,6 +334,11 @@ class LLMEngine:
         gathered from the ranks' slices (what LoRA merging keeps as its base)."""
         with self.lock:
             return self.runner.full_weight(name)
+
+    def unalias(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """A tensor under another layout's name (a trainer's stacked experts) as the weight
+        names and tensors (views) it holds, or None (``CausalLM.unalias``)."""
+        return self.runner.model.unalias(name, tensor)
 
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""

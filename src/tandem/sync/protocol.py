@@ -47,6 +47,10 @@ class UpdateTarget(Protocol):
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (accepted and ignored)."""
 
+    def unalias(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """A tensor under another layout's name (transformers' stacked experts) as the
+        updatable names and tensors it holds (views), or None for an unknown name."""
+
     def commit_weights(self, staged: dict[str, torch.Tensor], version: int,
                        alias: bool) -> None:
         """Swap the staged tensors in between steps and move to ``version``."""
@@ -164,8 +168,11 @@ class WeightUpdate(AbstractContextManager):
         staged = {}
         for trainer_name, tensor in named_tensors:
             name = engine_name(trainer_name)
-            if name in self.parameters or name not in self.tied:
+            if name in self.parameters:
                 staged[name] = self._stage(name, trainer_name, tensor)
+            elif name not in self.tied:
+                for alias, part in self.target.unalias(name, tensor) or [(name, tensor)]:
+                    staged[alias] = self._stage(alias, trainer_name, part)
         return staged
 
     @cached_property

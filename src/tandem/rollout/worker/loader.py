@@ -43,7 +43,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def load_weights(model: CausalLM, model_dir: Path) -> None:
     """Copy every checkpoint tensor into the part of the parameter the model's weight spec
-    gives it (under tensor parallelism, this rank's slice of it: ``model.tp``).
+    gives it (under tensor parallelism, this rank's slice of it: ``model.tp``); a tensor
+    under another layout's name goes where the model's ``unalias`` maps it.
 
     Raises:
         ValueError: on an unknown name, a shape mismatch, an unsupported dtype, or a
@@ -57,14 +58,19 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
             for name, entry, data_start in _read_header(file):
                 if name.endswith(IGNORED_SUFFIXES) or name in tied:
                     continue
-                target = _target(spec, name, entry, params, model)
-                destination = target.view(params[target.parameter])
+                _check_dtype(name, entry)
+                if name not in spec:
+                    tensor = _read_tensor(file, data_start, entry)
+                    for alias, part in _unalias(model, name, tensor):
+                        _copy_into(spec, alias, part, params, model)
+                        loaded.add(alias)
+                    continue
+                destination = _destination(spec, name, tuple(entry["shape"]), params, model)
                 if model.tp.size == 1 and destination.is_contiguous():
                     _read_into(file, data_start, entry, destination)
                 else:
-                    with torch.no_grad():
-                        destination.copy_(local_slice(target.split, _read_tensor(
-                            file, data_start, entry), model.config, model.tp))
+                    _copy_into(spec, name, _read_tensor(file, data_start, entry), params,
+                               model)
                 loaded.add(name)
     missing = set(spec) - loaded
     if missing:
@@ -80,19 +86,41 @@ def _read_header(file: BinaryIO) -> list[tuple[str, dict, int]]:
     return [(name, entry, 8 + header_size) for name, entry in header.items()]
 
 
-def _target(spec: dict[str, WeightTarget], name: str, entry: dict,
-            params: dict[str, torch.Tensor], model: CausalLM) -> WeightTarget:
-    target = spec.get(name)
-    if target is None:
-        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model.")
-    expected = tuple(target.view(params[target.parameter]).shape)
-    if expected != local_shape(target.split, tuple(entry["shape"]), model.config, model.tp):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(entry['shape'])}, the "
-                         f"model expects {expected}.")
+def _check_dtype(name: str, entry: dict) -> None:
     if entry["dtype"] not in SAFETENSORS_DTYPES:
         raise ValueError(f"checkpoint tensor {name!r} has dtype {entry['dtype']}; Tandem loads "
                          f"{', '.join(SAFETENSORS_DTYPES)}.")
-    return target
+
+
+def _unalias(model: CausalLM, name: str, tensor: torch.Tensor
+             ) -> list[tuple[str, torch.Tensor]]:
+    pairs = model.unalias(name, tensor)
+    if pairs is None:
+        raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model.")
+    return pairs
+
+
+def _destination(spec: dict[str, WeightTarget], name: str, shape: tuple[int, ...],
+                 params: dict[str, torch.Tensor], model: CausalLM) -> torch.Tensor:
+    """The part of a parameter the full tensor ``name`` (of ``shape``) fills on this rank.
+
+    Raises:
+        ValueError: when the shape does not fit it.
+    """
+    target = spec[name]
+    destination = target.view(params[target.parameter])
+    if tuple(destination.shape) != local_shape(target.split, shape, model.config, model.tp):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {shape}, the model expects "
+                         f"{tuple(destination.shape)}.")
+    return destination
+
+
+def _copy_into(spec: dict[str, WeightTarget], name: str, tensor: torch.Tensor,
+               params: dict[str, torch.Tensor], model: CausalLM) -> None:
+    """Copy this rank's slice of the full tensor ``name`` into its place."""
+    destination = _destination(spec, name, tuple(tensor.shape), params, model)
+    with torch.no_grad():
+        destination.copy_(local_slice(spec[name].split, tensor, model.config, model.tp))
 
 
 def _read_into(file: BinaryIO, data_start: int, entry: dict, param: torch.Tensor) -> None:

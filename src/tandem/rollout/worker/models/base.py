@@ -13,11 +13,13 @@ declare their tensor-parallel split and Hugging Face tensors), and provides:
   projections in the order its forward pass runs them, those reading one input as one
   ``FusedProjections``;
 - the class methods ``check_config`` (refuse what the family cannot run) and ``kv_shape``
-  (the KV pool's shape per rank, known before the model is built), and the class attribute
-  ``lora_targets`` (the module names a trainer's adapter targets by default).
+  (the KV pool's shape per rank, known before the model is built), and the class attributes
+  ``lora_targets`` (the module names a trainer's adapter targets by default) and
+  ``batch_invariant`` (whether its layers support exact log-probs).
 
-From these ``CausalLM`` derives the weight spec (``weight_spec``), logits under tensor
-parallelism, the CPU linear layouts and the tied embedding. Families register by
+From these ``CausalLM`` derives the weight spec (``weight_spec``; a layer's ``aliases`` map
+another layout's names onto it, ``unalias``), logits under tensor parallelism, the CPU
+linear layouts and the tied embedding. Families register by
 architecture name (``registry.py``).
 """
 
@@ -59,6 +61,9 @@ class CausalLM(nn.Module):
     """A causal LM over the paged KV cache (see the module docstring for the contract)."""
 
     lora_targets: ClassVar[tuple[str, ...]] = ()
+    # Its forward keeps a row's bits at any batch with the backend's batch-invariant kernels
+    # (exact log-probs); a family whose layers do not yet (the experts) says False.
+    batch_invariant: ClassVar[bool] = True
     config: PretrainedConfig
     tp: TensorParallel
     lm_head: Linear
@@ -109,6 +114,19 @@ class CausalLM(nn.Module):
             spec.update({name: target for name, target in targets.items()
                          if target.parameter in fresh})
         return spec
+
+    def unalias(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+        """A tensor given under another layout's name (transformers' stacked experts, a
+        checkpoint's other module name) as the weight spec's names and tensors (views), or
+        None when no layer knows the name (each layer's own ``aliases``)."""
+        if not hasattr(self, "_aliasing"):
+            self._aliasing = [(prefix, module) for prefix, module in self.named_modules()
+                              if hasattr(module, "aliases")]
+        for prefix, module in self._aliasing:
+            found = module.aliases(prefix, name, tensor)
+            if found is not None:
+                return found
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Vocabulary logits of the given hidden rows (under tensor parallelism gathered on

@@ -10,6 +10,7 @@ different MLP, say) subclasses with its own spec and registers under its name
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from ...parallel.tensor_parallel import (
 )
 from .base import CausalLM, KVShape
 from .layers import FusedProjections, Linear, LoraLinear, RMSNorm, VocabEmbedding
+from .moe import SparseMoeBlock
 from .rotary import RotaryEmbedding, check_rope_type
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
@@ -107,6 +109,9 @@ class ArchitectureSpec:
     # built as mlp(config, ops, tp); it exposes ``gate_up`` (its input projections, a
     # ``FusedProjections``) and ``down_proj``
     mlp: type[nn.Module] = LlamaMLP
+    # a mixture of experts' block (``moe.SparseMoeBlock``), built as moe(config, ops, tp)
+    # in the layers ``sparse_layer`` picks; None: a dense model
+    moe: Callable[..., nn.Module] | None = None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -117,10 +122,11 @@ class LlamaDecoderLayer(nn.Module):
     """
 
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, arch, ops, tp)
-        self.mlp = arch.mlp(config, ops, tp)
+        sparse = arch.moe is not None and sparse_layer(config, index)
+        self.mlp = arch.moe(config, ops, tp) if sparse else arch.mlp(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -145,7 +151,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config, tp)
         self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), max_position, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, arch, ops, tp) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, arch, ops, tp, index)
+            for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -210,8 +217,11 @@ class LlamaForCausalLM(CausalLM):
         return [layer.self_attn for layer in self.model.layers]
 
     def linear_groups(self, layer: nn.Module) -> list[Linear | FusedProjections]:
-        """q/k/v, o, the MLP's input projections (its ``gate_up``) and ``down_proj``."""
+        """q/k/v, o, and the MLP's input projections (its ``gate_up``) and ``down_proj``, or
+        a mixture of experts' router."""
         attention, mlp = layer.self_attn, layer.mlp
+        if isinstance(mlp, SparseMoeBlock):
+            return [attention.qkv, attention.o_proj, mlp.gate]
         return [attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj]
 
 
@@ -231,6 +241,14 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: RMSNorm on each query and key head."""
 
     arch = ArchitectureSpec(qk_norm=True, bias_from_config=True)
+
+
+def sparse_layer(config: PretrainedConfig, index: int) -> bool:
+    """Whether layer ``index`` of a mixture of experts holds experts (Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step``; every layer where the config has
+    neither)."""
+    return index not in (getattr(config, "mlp_only_layers", None) or []) and \
+        (index + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
 
 
 def head_dim_of(config: PretrainedConfig) -> int:

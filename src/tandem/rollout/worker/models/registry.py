@@ -20,10 +20,12 @@ from tandem.kernels import KernelOps
 from ...parallel.tensor_parallel import TensorParallel
 from .base import CausalLM
 
-_LLAMA = "tandem.rollout.worker.models.llama"
+_PACKAGE = "tandem.rollout.worker.models"
 _MODELS: dict[str, type[CausalLM] | str] = {
-    name: f"{_LLAMA}:{name}" for name in
-    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+    **{name: f"{_PACKAGE}.llama:{name}" for name in
+       ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
+    **{name: f"{_PACKAGE}.mixtures:{name}" for name in
+       ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}}
 _EXTERNAL: dict[str, str] = {}
 
 

@@ -1,0 +1,155 @@
+"""Mixture-of-experts layers: a router picks each token's top-k experts, and only those run.
+
+``FusedMoE`` holds every expert's weights stacked, as transformers 5 holds them in memory
+(``gate_up_proj`` ``[E, 2I, H]``, gate rows first; ``down_proj`` ``[E, H, I]``), each rank
+its slice of every expert's intermediate dimension under tensor parallelism (vLLM's layout:
+gate/up split by output, down by input, one all-reduce after the block). Its weight spec
+maps the checkpoints' one tensor per expert (``experts.3.gate_proj.weight``, or Mixtral's
+``w1``/``w3``/``w2``) into the stacked parameters' slots; ``aliases`` maps the stacked
+tensors a trainer's ``named_parameters()`` gives onto those names, so updates take either
+layout.
+
+The experts run grouped: the token-expert pairs sorted by expert, one matmul per expert and
+projection over its tokens, each output weighted and added to its token (the torch path;
+a fused kernel comes with the kernels issue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.kernels import KernelOps
+
+from ...parallel.tensor_parallel import COLUMN, ROW, TensorParallel
+from .layers import Linear
+from .weight_spec import WeightTarget
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """One family's expert layout: how many experts, how many a token takes, whether the
+    top-k weights are renormalised to sum to one, the experts' intermediate size, and the
+    checkpoint's names (the gate, up and down projections' module names; the block's module
+    name in checkpoints where it differs from ``mlp``)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    checkpoint_block: str = "mlp"
+
+
+class FusedMoE(nn.Module):
+    """Every expert of one layer, stacked, run grouped by expert (see the module docstring)."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, ops: KernelOps,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        self.spec, self.ops, self.tp = spec, ops, tp
+        intermediate = spec.intermediate_size // tp.size
+        self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts, 2 * intermediate,
+                                                     hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, intermediate))
+
+    def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
+        """Each expert's gate, up and down tensors, by the checkpoint's names, in their
+        slots of the stacked parameters."""
+        gate, up, down = self.spec.names
+        stem = _checkpoint_stem(prefix, self.spec)
+        targets = {}
+        for expert in range(self.spec.num_experts):
+            name = f"{stem}.{expert}"
+            targets[f"{name}.{gate}.weight"] = WeightTarget(
+                f"{prefix}.gate_up_proj", COLUMN, ((expert, None), (0, 2)))
+            targets[f"{name}.{up}.weight"] = WeightTarget(
+                f"{prefix}.gate_up_proj", COLUMN, ((expert, None), (1, 2)))
+            targets[f"{name}.{down}.weight"] = WeightTarget(
+                f"{prefix}.down_proj", ROW, ((expert, None),))
+        return targets
+
+    def aliases(self, prefix: str, name: str, tensor: torch.Tensor
+                ) -> list[tuple[str, torch.Tensor]] | None:
+        """A stacked tensor of this layer (``prefix.gate_up_proj`` ``[E, 2I, H]`` or
+        ``prefix.down_proj``, transformers' names) as the per-expert tensors it holds, by the
+        checkpoint's names (views); None for another name."""
+        gate, up, down = self.spec.names
+        stem = _checkpoint_stem(prefix, self.spec)
+        if name == f"{prefix}.gate_up_proj" and tensor.dim() == 3:
+            half = tensor.shape[1] // 2
+            return [pair for expert in range(tensor.shape[0]) for pair in (
+                (f"{stem}.{expert}.{gate}.weight", tensor[expert, :half]),
+                (f"{stem}.{expert}.{up}.weight", tensor[expert, half:]))]
+        if name == f"{prefix}.down_proj" and tensor.dim() == 3:
+            return [(f"{stem}.{expert}.{down}.weight", tensor[expert])
+                    for expert in range(tensor.shape[0])]
+        return None
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted sum for each token of ``x`` ``[tokens, hidden]`` (this
+        rank's partial sum under tensor parallelism)."""
+        weights, experts = route(router_logits, self.spec.top_k, self.spec.renormalize)
+        weights = weights.to(x.dtype)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
+        tokens = order // self.spec.top_k
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if not count:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            hidden = F.linear(self.ops.silu_and_mul(gate, up), self.down_proj[expert])
+            out.index_add_(0, rows, hidden * weights.flatten()[order[start:start + count], None])
+            start += count
+        return out
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's top-k experts and their weights: softmax over the experts in float32
+    (transformers' order), the top k, renormalised to sum to one where the family does."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+class SparseMoeBlock(nn.Module):
+    """A router (``gate``, replicated) and the experts; one all-reduce adds the ranks'
+    partial sums."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, ops: KernelOps,
+                 tp: TensorParallel) -> None:
+        super().__init__()
+        self.gate = Linear(hidden_size, spec.num_experts, bias=False)
+        self.experts = FusedMoE(hidden_size, spec, ops, tp)
+        self.tp = tp
+
+    def aliases(self, prefix: str, name: str, tensor: torch.Tensor
+                ) -> list[tuple[str, torch.Tensor]] | None:
+        """The router's weight under the checkpoint's block name (Mixtral's
+        ``block_sparse_moe.gate.weight``) as this block's ``gate.weight``; None otherwise."""
+        layer = prefix.rpartition(".")[0]
+        if name == f"{layer}.{self.experts.spec.checkpoint_block}.gate.weight":
+            return [(f"{prefix}.gate.weight", tensor)]
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for each token of ``x`` ``[tokens, hidden]``."""
+        return self.tp.all_reduce(self.experts(x, self.gate(x)))
+
+
+def _checkpoint_stem(prefix: str, spec: MoeSpec) -> str:
+    """The checkpoint's name of the experts module ``prefix`` (``...mlp.experts``), whose
+    block a family's checkpoints may name otherwise (Mixtral's ``block_sparse_moe``)."""
+    block, _, experts = prefix.rpartition(".")
+    layer, _, _ = block.rpartition(".")
+    return f"{layer}.{spec.checkpoint_block}.{experts}"
