@@ -162,6 +162,22 @@ def test_tensor_parallel_workers_run_the_family_registered_here(toy_dirs):
     assert greedy(llm) == greedy(LLM(str(toy_dirs[1])))
 
 
+class VariantLlama(GeluLlamaForCausalLM):
+    batch_invariant = False  # a family whose layers do not keep a row's bits yet
+
+
+def test_exact_log_probs_resolve_off_for_a_family_not_batch_invariant(toy_dirs, tmp_path):
+    for file in toy_dirs[0].iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["Variant"]}))
+    register_model("Variant", VariantLlama)
+    assert LLM(str(toy_dirs[0])).engine.runner.exact_logprobs
+    assert not LLM(str(tmp_path)).engine.runner.exact_logprobs
+    with pytest.raises(ValueError, match="exact_logprobs=True is not built yet"):
+        LLM(str(tmp_path), exact_logprobs=True)
+
+
 def test_registration_takes_a_causal_lm_and_an_unknown_architecture_names_them():
     with pytest.raises(TypeError, match="CausalLM subclass"):
         register_model("Nope", nn.Linear)

@@ -1,6 +1,7 @@
 """Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers: greedy tokens and
 log-probs, weights in both layouts (a checkpoint's tensor per expert, transformers' stacked
-experts), bad expert tensors named, tensor parallelism, and what is refused for now."""
+experts), bad expert tensors named, tensor parallelism, exact log-probs through the experts,
+and what is refused for now."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tandem.rollout import LLM, SamplingParams, WeightUpdateError
 from tandem.rollout.worker.models import model_class
 
 from .conftest import build_tokenizer
+from .test_exact_logprobs import assert_exact, sampled, trainer_logprobs
 from .test_models import check_prompt_logprobs, hf_greedy
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -28,6 +30,7 @@ CONFIGS = {
 }
 PROMPTS = [[1, 5, 9, 2, 7], [1, 30, 31, 32, 33, 34, 35, 36, 37], [1, 12]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+EXACT_PROMPTS = [[(5 * i + j) % 200 + 3 for j in range(3 + 7 * i)] for i in range(4)]
 
 
 def save_moe(kind: str, path, seed: int = 0):
@@ -111,8 +114,19 @@ def test_lora_adapts_attention_and_refuses_experts(moe_dirs):
         llm.engine.commit_lora({expert: (torch.zeros(2, 64), torch.zeros(32, 2), 1.0)}, 1, 1)
 
 
-def test_exact_log_probs_are_off_for_experts_and_refused_when_asked(moe_dirs):
-    folder = moe_dirs["qwen3_moe", 0]
-    assert not LLM(str(folder)).engine.runner.exact_logprobs
-    with pytest.raises(ValueError, match="exact_logprobs=True is not built yet.*experts"):
-        LLM(str(folder), exact_logprobs=True)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_the_trainers_log_probs_are_the_engines_bit_for_bit(moe_dirs, kind, dtype):
+    # Chunked prefill, groups sharing prompt blocks, preemptions: a token's experts, and so
+    # its log-prob, never depend on the batch it ran in, and the trainer routes alike.
+    folder = moe_dirs[kind, 0]
+    llm = LLM(str(folder), dtype=dtype, max_model_len=64, max_num_batched_tokens=16,
+              num_kv_blocks=24, block_size=4)
+    assert llm.engine.runner.exact_logprobs  # on by default on CPU, experts included
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3,
+                            logprobs=0, n=4)
+    prompts, completions, sampler_logprobs, _ = sampled(llm, params, EXACT_PROMPTS)
+    assert llm.stats()["preemptions"] > 0
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
+    logprobs, mask = trainer_logprobs(model, llm, prompts, completions, 1.0)
+    assert_exact(logprobs, mask, sampler_logprobs)

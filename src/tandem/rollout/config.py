@@ -132,8 +132,8 @@ class EngineConfig:
             ValueError: when ``exact_logprobs=True`` asks for them where they do not run.
         """
         reason = _inexact_reason(self, dtype) or (
-            None if model_invariant else "is not built yet for this model's layers (its "
-            "experts run through kernels that are not batch-invariant)")
+            None if model_invariant else "is not built yet for this model family's layers "
+            "(its batch_invariant is False)")
         if self.exact_logprobs and reason:
             raise ValueError(f"exact_logprobs=True {reason}; set exact_logprobs=False.")
         return bool(self.exact_logprobs is not False and not reason)

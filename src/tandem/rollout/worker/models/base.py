@@ -166,6 +166,9 @@ class CausalLM(nn.Module):
             module.packed = PackedWeight([module], layout) if alone and copied else None
         for group in fused:
             group.packed = PackedWeight(group.layers, layout) if copied else None
+        for module in self.modules():  # layers of their own weights (stacked experts)
+            if hasattr(module, "pack_weights"):
+                module.pack_weights(layout)
         self.linear_layout = layout
 
     def multiply_through(self, linear: Callable[..., torch.Tensor], name: str) -> None:
@@ -180,6 +183,9 @@ class CausalLM(nn.Module):
                 module.lora_product = linear
         for group in self.fused_projections():
             group.packed = None
+        for module in self.modules():
+            if module is not self and hasattr(module, "multiply_through"):
+                module.multiply_through(linear)
         self.linear_layout = name
 
     def fastest_linear_layout(self) -> str | None:

@@ -3,8 +3,8 @@
 Each is ``LlamaForCausalLM`` with a ``SparseMoeBlock`` in place of the MLP (in every layer
 for Mixtral; for Qwen3-MoE in the layers ``sparse_layer`` picks, a dense MLP in the others).
 Run-time LoRA adapts the attention projections only (the experts are not ``LoraLinear``:
-an adapter on them is refused by name), and exact log-probs are refused until the experts
-run through batch-invariant kernels.
+an adapter on them is refused by name). The experts follow the model's linear plan, so
+exact log-probs hold for them as for the dense layers (``moe.py``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     arch = ArchitectureSpec(qk_norm=True, bias_from_config=True, moe=qwen3_moe_block)
     lora_targets = ATTENTION_TARGETS
-    batch_invariant = False
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -51,4 +50,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     arch = ArchitectureSpec(moe=mixtral_block)
     lora_targets = ATTENTION_TARGETS
-    batch_invariant = False

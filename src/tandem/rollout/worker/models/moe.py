@@ -10,19 +10,25 @@ tensors a trainer's ``named_parameters()`` gives onto those names, so updates ta
 layout.
 
 The experts run grouped: the token-expert pairs sorted by expert, one matmul per expert and
-projection over its tokens, each output weighted and added to its token (the torch path;
-a fused kernel comes with the kernels issue).
+projection over its tokens, each output weighted and added to its token in expert order.
+Each matmul follows the model's linear plan (``pack_weights``/``multiply_through``, as its
+linear layers do): ``F.linear``, or with the CPU ``"panels"`` layout each expert's panels
+(a copy, rebuilt when its parameter changes), or a kernel of the plan's own (Triton's
+batch-invariant matmul, a trainer's differentiable one). With the panels or Triton's, a
+token's experts, weights and output keep their bits whatever batch it runs in: exact
+log-probs, and the trainer routes as the sampler did.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import KernelOps
+from tandem.kernels import KernelOps, cpu_linear
 
 from ...parallel.tensor_parallel import COLUMN, ROW, TensorParallel
 from .layers import Linear
@@ -55,6 +61,35 @@ class FusedMoE(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts, 2 * intermediate,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, intermediate))
+        self.linear: Callable[..., torch.Tensor] | None = None  # see multiply_through
+        self.panels: dict[str, tuple[tuple, list[torch.Tensor]]] | None = None
+
+    def pack_weights(self, layout: str | None) -> None:
+        """Multiply each expert in the CPU ``layout``: its panels for ``"panels"``,
+        ``F.linear`` on the stacked weights otherwise."""
+        self.linear = None
+        self.panels = {} if layout == "panels" else None
+
+    def multiply_through(self, linear: Callable[..., torch.Tensor]) -> None:
+        """Multiply each expert through ``linear(x, weight, bias)``, its weight a view of
+        the stacked parameter at each call."""
+        self.linear, self.panels = linear, None
+
+    def _expert_linear(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        weight: torch.Tensor = getattr(self, name)
+        if self.panels is not None:
+            return cpu_linear.panel_linear(x.contiguous(), self._panels(name, weight)[expert],
+                                           weight.shape[1], None)
+        return (self.linear or F.linear)(x, weight[expert], None)
+
+    def _panels(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+        """Each expert's panels of ``weight``, rebuilt after an in-place write (an update's
+        copy bumps the parameter's version)."""
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        cached = self.panels.get(name)
+        if cached is None or cached[0] != key:
+            cached = self.panels[name] = (key, [cpu_linear.panel_layout(w) for w in weight])
+        return cached[1]
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """Each expert's gate, up and down tensors, by the checkpoint's names, in their
@@ -104,8 +139,8 @@ class FusedMoE(nn.Module):
             if not count:
                 continue
             rows = tokens[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            hidden = F.linear(self.ops.silu_and_mul(gate, up), self.down_proj[expert])
+            gate, up = self._expert_linear(x[rows], "gate_up_proj", expert).chunk(2, dim=-1)
+            hidden = self._expert_linear(self.ops.silu_and_mul(gate, up), "down_proj", expert)
             out.index_add_(0, rows, hidden * weights.flatten()[order[start:start + count], None])
             start += count
         return out
