@@ -5,12 +5,14 @@ and what is refused for now."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 
-from tandem.rollout import LLM, SamplingParams, WeightUpdateError
+from tandem.rollout import LLM, Continuation, RequestOutput, SamplingParams, WeightUpdateError
 from tandem.rollout.worker.models import model_class
 
 from .conftest import build_tokenizer
@@ -130,3 +132,59 @@ def test_the_trainers_log_probs_are_the_engines_bit_for_bit(moe_dirs, kind, dtyp
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype))
     logprobs, mask = trainer_logprobs(model, llm, prompts, completions, 1.0)
     assert_exact(logprobs, mask, sampler_logprobs)
+
+
+def hf_routing(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' top-k experts of every position, ``[positions, moe layers, k]``."""
+    chosen = []
+    hooks = [module.register_forward_hook(lambda _, __, out: chosen.append(out[2]))
+             for name, module in hf_model.named_modules() if name.endswith("mlp.gate")]
+    with torch.no_grad():
+        hf_model(torch.tensor([token_ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, dim=1)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_routed_experts_are_the_routers_choices_for_every_position(moe_dirs, kind):
+    folder = moe_dirs[kind, 0]
+    llm, hf_model = LLM(str(folder)), reference(folder)
+    params = SamplingParams(n=2, max_tokens=10, ignore_eos=True, seed=5,
+                            return_routed_experts=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    moe_layers = 1 if kind == "qwen3_moe" else 2  # Qwen3-MoE's layer 1 is dense here
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        for completion in output.outputs:
+            tokens = prompt + completion.token_ids
+            routed = completion.routed_experts
+            assert routed.shape == (len(tokens) - 1, moe_layers, 2)
+            assert routed.dtype == torch.uint8
+            expected = hf_routing(hf_model, tokens)[:-1]
+            assert torch.equal(routed.long().sort(-1).values, expected.sort(-1).values)
+        again = RequestOutput.from_dict(json.loads(json.dumps(output.to_dict())))
+        assert torch.equal(again.outputs[1].routed_experts, output.outputs[1].routed_experts)
+
+
+def test_routing_is_the_same_decoded_as_prefilled(moe_dirs):
+    # exact kernels: a position routes alike in a decode step and in a long prefill
+    llm = LLM(str(moe_dirs["mixtral", 0]), max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=2, return_routed_experts=True)
+    decoded = llm.generate(PROMPTS, params, use_tqdm=False)
+    full = [p + o.outputs[0].token_ids for p, o in zip(PROMPTS, decoded, strict=True)]
+    prefilled = llm.generate(full, SamplingParams(max_tokens=1, return_routed_experts=True),
+                             use_tqdm=False)
+    for d, p in zip(decoded, prefilled, strict=True):
+        assert torch.equal(d.outputs[0].routed_experts, p.outputs[0].routed_experts[:-1])
+
+
+def test_routed_experts_are_refused_where_there_are_none(llama_dir, moe_dirs):
+    with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts"):
+        LLM(str(llama_dir)).generate([[1, 2, 3]], SamplingParams(return_routed_experts=True))
+    llm = LLM(str(moe_dirs["mixtral", 0]))
+    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), hold_kv=True,
+                         use_tqdm=False)[0]
+    with pytest.raises(ValueError, match="Continuation"):
+        llm.generate([Continuation(first.request_id, 0, [4, 5])],
+                     SamplingParams(return_routed_experts=True), use_tqdm=False)
+    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)

@@ -25,7 +25,7 @@ from .default_model import resolve_model
 from .errors import EngineAsleepError
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
-from .output_processor import OutputProcessor
+from .output_processor import OutputProcessor, check_routing
 from .outputs import RequestOutput
 from .parallel.executor import make_runner
 from .parallel.tensor_parallel import TensorParallel
@@ -75,7 +75,7 @@ class LLMEngine:
         self.steps = StepOverlap(self.runner, config.overlaps_steps)
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size,
                                               self.max_model_len, self.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.runner.routing)
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.kv_blocks_used_peak = 0
@@ -183,6 +183,11 @@ class LLMEngine:
     def _check_new_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
                             params: Seq[SamplingParams], hold_kv: bool) -> None:
         check_request_lists(request_ids, prompts, params, self.config.max_num_seqs)
+        routing = [p.return_routed_experts for p in params]
+        if any(routing):
+            check_routing(self.runner.routing, self.runner.model.config,
+                          [isinstance(prompt, Continuation)
+                           for prompt, asks in zip(prompts, routing, strict=True) if asks])
         for request_id in request_ids:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use.")

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import torch
+
+# How a model's routing is encoded: its MoE layers, the experts per token, the dtype
+# (uint8 up to 256 experts, int16 beyond).
+RoutingFormat = tuple[int, int, torch.dtype]
 
 
 @dataclass(slots=True)
@@ -14,7 +21,9 @@ class SamplerOutput:
     asked; ``thresholds`` per row the kept set's threshold where top-k / top-p / min-p
     truncated it (None elsewhere; see ``CompletionOutput``); ``prompt_logprobs`` maps a
     batch row to the prompt log-probs its chunk scored (one dict per prompt position, see
-    ``RequestOutput.prompt_logprobs``).
+    ``RequestOutput.prompt_logprobs``); ``routed_experts`` maps a batch row that records
+    its routing to its chunk's first position and the chunk's experts, encoded (see
+    ``ModelRunner.routing``).
     """
 
     token_ids: list[int]
@@ -22,6 +31,7 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
     thresholds: list[float | None] | None = None
     prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+    routed_experts: dict[int, tuple[int, bytes]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class CompletionOutput:
     weight_versions: tuple[int, int] | None = None
     token_weight_versions: list[int] = field(default_factory=list)
     sampling_thresholds: list[float] | None = None
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -72,8 +83,9 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """The output as plain JSON-ready data (``from_dict`` reads it back)."""
-        return asdict(self)
+        """The output as plain JSON-ready data (``from_dict`` reads it back); routed
+        experts as ``{"dtype", "shape", "data"}``, the bytes in base64."""
+        return asdict(self, dict_factory=_json_values)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RequestOutput:
@@ -81,12 +93,32 @@ class RequestOutput:
         outputs = [CompletionOutput(**{
             **completion,
             "top_logprobs": _int_keys(completion["top_logprobs"]),
-            "weight_versions": _pair(completion["weight_versions"])})
+            "weight_versions": _pair(completion["weight_versions"]),
+            "routed_experts": _tensor(completion.get("routed_experts"))})
             for completion in data["outputs"]]
         prompt_logprobs = data.get("prompt_logprobs")
         if prompt_logprobs is not None:
             prompt_logprobs = [None, *_int_keys(prompt_logprobs[1:])]
         return cls(**{**data, "outputs": outputs, "prompt_logprobs": prompt_logprobs})
+
+
+def _json_values(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    return {key: _encoded(value) if isinstance(value, torch.Tensor) else value
+            for key, value in items}
+
+
+def _encoded(tensor: torch.Tensor) -> dict[str, Any]:
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": base64.b64encode(tensor.contiguous().numpy().tobytes()).decode()}
+
+
+def _tensor(encoded: dict[str, Any] | None) -> torch.Tensor | None:
+    if encoded is None:
+        return None
+    dtype = {"uint8": torch.uint8, "int16": torch.int16}[encoded["dtype"]]
+    data = bytearray(base64.b64decode(encoded["data"]))
+    return torch.frombuffer(data, dtype=dtype).view(encoded["shape"]) if data \
+        else torch.empty(encoded["shape"], dtype=dtype)
 
 
 def _int_keys(top_logprobs: list[dict[str, float]] | None) -> list[dict[int, float]] | None:

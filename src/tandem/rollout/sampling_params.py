@@ -47,6 +47,10 @@ class SamplingParams:
         "before it, raw (no penalty, temperature or truncation); k > 0: also the top k at "
         "each position. Such a prompt is computed in full, never served from the prefix "
         "cache.")})
+    return_routed_experts: bool = field(default=False, metadata={"help": (
+        "(mixture-of-experts models) return, per position of prompt and completion whose "
+        "forward ran, the top-k experts each MoE layer routed it to (routing replay). Such "
+        "a prompt is computed in full, never served from the prefix cache.")})
     skip_special_tokens: bool = field(default=True, metadata={"help": (
         "leave special tokens out of the text.")})
     structured_outputs: StructuredOutputsParams | None = field(default=None, metadata={

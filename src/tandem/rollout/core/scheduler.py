@@ -299,6 +299,8 @@ class Scheduler:
         finished: list[Sequence] = []
         for i, scored in output.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs += scored
+        for i, (start, routed) in output.routed_experts.items():
+            batch.seqs[i].routed_experts[start] = routed
         rows = zip(sampled, output.token_ids, output.logprobs, output.top_logprobs,
                    output.thresholds or itertools.repeat(None))
         for seq, token_id, logprob, top_logprobs, threshold in rows:
@@ -379,5 +381,6 @@ class Scheduler:
 
 def _uses_cache(seq: Sequence) -> bool:
     """Whether ``seq``'s prompt may come from the prefix cache: not when its prompt
-    log-probs are asked for (a cache hit has no logits to score)."""
-    return not seq.needs_prompt_logprobs
+    log-probs or its routed experts are asked for (a cache hit has no logits to score and
+    no routing)."""
+    return not seq.needs_prompt_logprobs and not seq.records_routing

@@ -37,7 +37,10 @@ class Sequence:
     (and in ``num_tokens``), but not in ``token_ids``.
 
     ``block_hashes`` are the prefix-cache hashes of its full blocks, in order;
-    ``prompt_logprobs`` the prompt positions scored so far (when asked). A sequence with
+    ``prompt_logprobs`` the prompt positions scored so far (when asked); ``routed_experts``
+    (when asked, ``return_routed_experts``) the experts its computed positions were routed
+    to, by the first position of each step's chunk, as the runner encodes them (a later
+    chunk over the same positions, after a preemption, supersedes an earlier one). A sequence with
     ``hold_kv`` keeps its blocks when it finishes (see ``held.py``); ``resume_from`` is the
     held sequence a continuation takes its blocks from when it is admitted. The first
     sequence of a group carries the others in ``pending_children`` until its prompt is
@@ -62,6 +65,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    routed_experts: dict[int, bytes] = field(default_factory=dict)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_weight_versions: list[int] = field(default_factory=list)
@@ -107,6 +111,11 @@ class Sequence:
         prefills the prompt, has not scored every prompt position yet."""
         return (self.sampling_params.prompt_logprobs is not None and self.index == 0
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
+    def records_routing(self) -> bool:
+        """True when the request asked for the experts each position was routed to."""
+        return self.sampling_params.return_routed_experts
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None,
                      weight_version: int, threshold: float | None = None) -> None:

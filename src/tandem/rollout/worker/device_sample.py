@@ -31,17 +31,18 @@ class DeviceSample:
     thresholds: torch.Tensor | None = None
     threshold_rows: list[bool] | None = None
 
-    def to_host(self, prompt_logprobs: PromptLogprobs) -> HostCopy:
-        """Start copying every tensor to the host, with the step's prompt log-probs (already
-        on the host) to hand back with them."""
+    def to_host(self, prompt_logprobs: PromptLogprobs,
+                routed_experts: dict[int, tuple[int, bytes]] | None = None) -> HostCopy:
+        """Start copying every tensor to the host, with the step's prompt log-probs and
+        routed experts (already on the host) to hand back with them."""
         tensors = [self.token_ids, self.logprobs, self.top_values, self.top_indices,
                    self.thresholds]
         if self.token_ids.device.type != "cuda":
-            return HostCopy(self, tensors, None, prompt_logprobs)
+            return HostCopy(self, tensors, None, prompt_logprobs, routed_experts or {})
         copies = [None if t is None else t.to("cpu", non_blocking=True) for t in tensors]
         event = torch.cuda.Event()
         event.record()
-        return HostCopy(self, copies, event, prompt_logprobs)
+        return HostCopy(self, copies, event, prompt_logprobs, routed_experts or {})
 
 
 @dataclass(slots=True)
@@ -53,6 +54,7 @@ class HostCopy:
     tensors: list[torch.Tensor | None]
     event: torch.cuda.Event | None
     prompt_logprobs: PromptLogprobs
+    routed_experts: dict[int, tuple[int, bytes]]
 
     def result(self) -> SamplerOutput:
         """Wait for the copy; the samples as plain lists."""
@@ -71,4 +73,4 @@ class HostCopy:
             kept = [value if row else None
                     for value, row in zip(thresholds.tolist(), sample.threshold_rows)]
         return SamplerOutput(token_ids.tolist(), logprobs.tolist(), top, kept,
-                             self.prompt_logprobs)
+                             self.prompt_logprobs, self.routed_experts)

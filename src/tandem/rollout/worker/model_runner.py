@@ -26,6 +26,7 @@ from ..config import WorkerConfig
 from ..core.block_manager import num_blocks_for
 from ..core.scheduled_batch import ScheduledBatch
 from ..core.sequence import Sequence
+from ..outputs import RoutingFormat
 from ..parallel.tensor_parallel import TensorParallel, full_from_slices, local_slice, lora_slice
 from .attention_layout import long_tensor
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
@@ -34,6 +35,7 @@ from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
 from .models import CausalLM, KVShape, build_model
 from .models.layers import LoraLinear, stack_lora
+from .models.moe import FusedMoE
 from .models.weight_spec import views
 from .releasable_memory import ReleasableMemory, releasable_or_none, typed_view
 from .sampler import Sampler
@@ -87,6 +89,8 @@ class ModelRunner:
         self.graph_captures = 0
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
+        self.record_routing = False  # this step records its experts: no graph replay
         # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
         self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
 
@@ -231,6 +235,29 @@ class ModelRunner:
             attention.v_cache = self.kv_cache[1, layer]
 
     @property
+    def routing(self) -> RoutingFormat | None:
+        """How this model's routing is encoded for ``return_routed_experts`` (None: it has
+        no experts)."""
+        if not self.moe_layers:
+            return None
+        spec = self.moe_layers[0].spec
+        dtype = torch.uint8 if spec.num_experts <= 256 else torch.int16
+        return len(self.moe_layers), spec.top_k, dtype
+
+    def _routed_experts(self, batch: ScheduledBatch) -> dict[int, tuple[int, bytes]]:
+        """Per batch row that records its routing, its chunk's first position and the
+        experts of the chunk's tokens ``[tokens, layers, top_k]``, encoded (``routing``)."""
+        _, _, dtype = self.routing
+        experts = torch.stack([layer.routed for layer in self.moe_layers], dim=1)
+        host = experts.to(dtype).cpu()
+        out, first = {}, 0
+        for row, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            if seq.records_routing:
+                out[row] = (seq.num_computed_tokens, host[first:first + count].numpy().tobytes())
+            first += count
+        return out
+
+    @property
     def kv_shape(self) -> KVShape:
         """What this rank's KV pool holds per token."""
         return type(self.model).kv_shape(self.model.config, self.tp.size)
@@ -333,7 +360,9 @@ class ModelRunner:
         step, num_sampling, scored = self._prepare(batch)
         if after_unread:
             self._read_pending_tokens(batch, step.input_ids)
+        self.record_routing = any(seq.records_routing for seq in batch.seqs)
         logits = self.run_step(step).float()
+        routed = self._routed_experts(batch) if self.record_routing else None
         sampling, prompt = logits[:num_sampling], logits[num_sampling:]
         groups = batch.sampling_groups()
         seqs = [seq for group in groups for seq in group]
@@ -342,7 +371,7 @@ class ModelRunner:
             sampling = sampling.repeat_interleave(sizes, dim=0, output_size=len(seqs))
         sample = self.sampler.sample(sampling, seqs)
         self._last_sampled = seqs, sample.token_ids
-        return sample.to_host(self._prompt_logprobs(batch, prompt, scored))
+        return sample.to_host(self._prompt_logprobs(batch, prompt, scored), routed)
 
     def _read_pending_tokens(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
         """Fill the input of each decode whose token is pending from the last launch's
@@ -386,7 +415,8 @@ class ModelRunner:
                  metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
         graphs = self.graphs
-        if graphs is not None and metadata.num_decodes == num_tokens and graphs.fits(num_tokens):
+        if graphs is not None and metadata.num_decodes == num_tokens and graphs.fits(num_tokens) \
+                and not self.record_routing:  # the graphs keep no per-step routing
             return graphs.replay(input_ids, positions, metadata)
         return self.model(input_ids, positions, metadata)
 

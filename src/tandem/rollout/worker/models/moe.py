@@ -62,6 +62,7 @@ class FusedMoE(nn.Module):
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, intermediate))
         self.linear: Callable[..., torch.Tensor] | None = None  # see multiply_through
+        self.routed = torch.empty(0, spec.top_k, dtype=torch.long)  # the last forward's
         self.panels: dict[str, tuple[tuple, list[torch.Tensor]]] | None = None
 
     def pack_weights(self, layout: str | None) -> None:
@@ -128,6 +129,7 @@ class FusedMoE(nn.Module):
         """The experts' weighted sum for each token of ``x`` ``[tokens, hidden]`` (this
         rank's partial sum under tensor parallelism)."""
         weights, experts = route(router_logits, self.spec.top_k, self.spec.renormalize)
+        self.routed = experts  # each token's experts, for routing replay
         weights = weights.to(x.dtype)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
