@@ -188,3 +188,21 @@ def test_routed_experts_are_refused_where_there_are_none(llama_dir, moe_dirs):
         llm.generate([Continuation(first.request_id, 0, [4, 5])],
                      SamplingParams(return_routed_experts=True), use_tqdm=False)
     assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_routed_experts_come_over_the_rollouts_route(moe_dirs):
+    from tandem.rollout.serving.client import TandemClient
+
+    from .test_server import API_KEY, running_server
+
+    folder = moe_dirs["qwen3_moe", 0]
+    params = SamplingParams(n=2, max_tokens=6, ignore_eos=True, seed=4,
+                            return_routed_experts=True)
+    offline = LLM(str(folder), num_kv_blocks=256, max_model_len=256).generate(
+        PROMPTS[:2], params, use_tqdm=False)
+    with running_server(folder) as (url, _):
+        served = TandemClient(url, API_KEY).generate(PROMPTS[:2], params)
+    for ours, theirs in zip(served, offline, strict=True):
+        for a, b in zip(ours.outputs, theirs.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert torch.equal(a.routed_experts, b.routed_experts)
