@@ -26,7 +26,7 @@ from .errors import EngineAsleepError
 from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .output_processor import OutputProcessor, check_routing
-from .outputs import RequestOutput
+from .outputs import RequestOutput, RoutingFormat
 from .parallel.executor import make_runner
 from .parallel.tensor_parallel import TensorParallel
 from .sampling_params import SamplingParams
@@ -127,6 +127,12 @@ class LLMEngine:
     def tensor_parallel(self) -> TensorParallel:
         """The runner's tensor-parallel group (size 1 without tensor parallelism)."""
         return self.runner.tp
+
+    @property
+    def routing_format(self) -> RoutingFormat | None:
+        """How ``return_routed_experts`` encodes this model's routing (MoE layers, experts
+        per token, dtype); None for a model without experts."""
+        return self.runner.routing
 
     def add_request(self, request_id: str, prompt: EnginePrompt,
                     sampling_params: SamplingParams, hold_kv: bool = False) -> None:

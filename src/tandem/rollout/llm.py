@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .core.held import Continuation
 from .engine import LLMEngine
 from .input_processor import Prompt
-from .outputs import RequestOutput
+from .outputs import RequestOutput, RoutingFormat
 from .parallel.tensor_parallel import TensorParallel
 from .sampling_params import SamplingParams
 from .structured_outputs import Grammar
@@ -143,6 +143,12 @@ class LLM:
     def tensor_parallel(self) -> TensorParallel:
         """The engine's tensor-parallel group (size 1 without tensor parallelism)."""
         return self.engine.tensor_parallel
+
+    @property
+    def routing_format(self) -> RoutingFormat | None:
+        """How ``return_routed_experts`` encodes this model's routing; None for a model
+        without experts (see ``LLMEngine.routing_format``)."""
+        return self.engine.routing_format
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The compiled constraint of ``params.structured_outputs`` (None without one), as

@@ -169,6 +169,21 @@ class LoraAdapterConfig:
 
 
 @dataclass(slots=True)
+class MoeConfig:
+    """Mixture-of-experts policies (the recipe's ``moe`` section).
+
+    Attributes:
+        routing_replay: the trainer's forward passes route each token to the experts the
+            sampler chose (rollout routing replay), each weighted by the trainer's own router
+            probability, renormalised as the family does. Either way the step logs
+            ``routing_agreement``, the fraction of token-layer choices where the trainer's
+            own top-k set equals the sampler's.
+    """
+
+    routing_replay: bool = False
+
+
+@dataclass(slots=True)
 class LoggingConfig:
     """Where metrics go.
 
@@ -252,6 +267,7 @@ class TrainConfig:
     importance_sampling: ImportanceSamplingConfig = field(
         default_factory=ImportanceSamplingConfig)
     lora: LoraAdapterConfig = field(default_factory=LoraAdapterConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:

@@ -44,6 +44,8 @@ class RolloutBatch:
             environment tokens are 0); None for single-turn rows (all sampled).
         sampling_thresholds: per completion token the engine's kept-set threshold when
             sampling truncated (top-k / top-p); None otherwise.
+        routed_experts: each row's experts per position and MoE layer (mixture-of-experts
+            models; see ``routing.py``); None otherwise.
         metrics: episode counts (turns, tool calls and errors, model and environment
             tokens; empty for single-turn rollouts) and dynamic sampling's counts.
     """
@@ -60,6 +62,7 @@ class RolloutBatch:
     per_function: dict[str, torch.Tensor]
     loss_masks: list[list[int]] | None = None
     sampling_thresholds: list[list[float]] | None = None
+    routed_experts: list[torch.Tensor] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -86,6 +89,7 @@ class RolloutBatch:
         examples = [group.example for group in groups]
         masks = [group.loss_masks for group in groups]
         thresholds = [group.sampling_thresholds for group in groups]
+        routed = [group.routed_experts for group in groups]
         return cls(
             prompts=[group.example["prompt"] for _, group, _ in rows],
             prompt_ids=[group.prompt_ids[row] for _, group, row in rows],
@@ -102,6 +106,8 @@ class RolloutBatch:
             loss_masks=None if masks[0] is None else [m for mask in masks for m in mask],
             sampling_thresholds=None if thresholds[0] is None
             else [row for rows in thresholds for row in rows],
+            routed_experts=None if any(r is None for r in routed)
+            else [row for rows in routed for row in rows],
             metrics=metrics)
 
 

@@ -11,6 +11,7 @@ multi-turn episodes through ``EpisodeRunner``. ``collect_groups`` drives either.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ class Group:
         token_weight_versions: each row's weight version of every sampled token.
         sampling_thresholds: each row's kept-set threshold per sampled token when sampling
             truncated (see ``CompletionOutput``); None otherwise.
+        routed_experts: each row's experts per position and MoE layer (a mixture of
+            experts' single-turn rows; see ``CompletionOutput``); None otherwise.
         rewards: each row's total reward, once scored.
         per_function: each reward function's values, once scored.
     """
@@ -59,6 +62,7 @@ class Group:
     trajectories: list[Trajectory] = field(default_factory=list)
     token_weight_versions: list[list[int]] = field(default_factory=list)
     sampling_thresholds: list[list[float]] | None = None
+    routed_experts: list[torch.Tensor] | None = None
     rewards: torch.Tensor | None = None
     per_function: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -123,7 +127,9 @@ class CompletionSource:
         config = self.config
         ids = [f"group-{next(self._request_ids)}" for _ in examples]
         prompts = [tokenize_prompt(self.tokenizer, example["prompt"]) for _, example in examples]
-        params = [rollout_params(config, self.seed + key) for key, _ in examples]
+        routed = self.engine.routing_format is not None  # a mixture of experts: replayable
+        params = [dataclasses.replace(rollout_params(config, self.seed + key),
+                                      return_routed_experts=routed) for key, _ in examples]
         self.engine.add_requests(ids, prompts, params)
         for request_id, (key, example), prompt in zip(ids, examples, prompts):
             self._started[request_id] = (key, example, prompt)
@@ -171,7 +177,9 @@ class CompletionSource:
                      [list(c.logprobs) for c in completions],
                      token_weight_versions=[list(c.token_weight_versions) for c in completions],
                      sampling_thresholds=None if completions[0].sampling_thresholds is None
-                     else [list(c.sampling_thresholds) for c in completions])
+                     else [list(c.sampling_thresholds) for c in completions],
+                     routed_experts=None if completions[0].routed_experts is None
+                     else [c.routed_experts for c in completions])
 
 
 class EpisodeSource:

@@ -17,6 +17,8 @@ from tandem.rollout.structured_outputs import Grammar, grammar_bitmasks, unpack_
 from tandem.rollout.worker.exact_forward import ExactForward
 from tandem.rollout.worker.sampler import apply_top_k, apply_top_p
 
+from .routing import RoutingCounts, routed_as
+
 
 @dataclass(slots=True)
 class SamplingReplay:
@@ -86,6 +88,8 @@ class TokenBatch:
         completion_ids: ``[B, C]``.
         completion_mask: ``[B, C]``, 1 on real completion tokens.
         replay: the engine's truncation per slot (None when sampling did not truncate).
+        routing: ``[B, P + C, layers, k]`` the sampler's experts per position of a mixture
+            of experts (-1 where none; ``routing.routing_rows``), or None.
     """
 
     input_ids: torch.Tensor
@@ -94,6 +98,7 @@ class TokenBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     replay: SamplingReplay | None = None
+    routing: torch.Tensor | None = None
 
     @property
     def num_completion_slots(self) -> int:
@@ -111,7 +116,8 @@ class TokenBatch:
         return TokenBatch(self.input_ids[rows], self.attention_mask[rows],
                           self.position_ids[rows], self.completion_ids[rows],
                           self.completion_mask[rows],
-                          None if self.replay is None else self.replay.rows(rows))
+                          None if self.replay is None else self.replay.rows(rows),
+                          None if self.routing is None else self.routing[rows])
 
 
 def pad_rows(rows: list[list[float]] | list[list[int]], width: int, value: float,
@@ -212,6 +218,8 @@ class Policy(nn.Module):
         self.model = model
         self.value_head = value_head
         self.exact_forward: ExactForward | None = None  # see use_exact_forward
+        self.routing_replay = False  # route by the sampler's experts (a mixture of experts)
+        self.routing_counts = RoutingCounts()  # own choices against the sampler's
 
     def use_exact_forward(self, exact_forward: ExactForward | None) -> None:
         """Run every forward pass through ``exact_forward`` (``LLM.exact_forward`` of this
@@ -220,6 +228,10 @@ class Policy(nn.Module):
 
     def forward(self, batch: TokenBatch, temperature: float
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``completion_logprobs`` of this policy (values too when it has a value head)."""
-        return completion_logprobs(self.exact_forward or self.model, batch, temperature,
-                                   self.value_head)
+        """``completion_logprobs`` of this policy (values too when it has a value head); a
+        mixture of experts' routing counted against the sampler's, replayed with
+        ``routing_replay`` (``routing.routed_as``)."""
+        model = self.exact_forward or self.model
+        with routed_as(model, batch.routing, batch.attention_mask, self.routing_replay,
+                       self.routing_counts):
+            return completion_logprobs(model, batch, temperature, self.value_head)

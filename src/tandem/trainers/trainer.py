@@ -57,6 +57,7 @@ from .logger import MetricsLogger
 from .losses import masked_mean
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, sampling_replay, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
+from .routing import RoutingCounts, routing_rows
 from .tasks import Example, Task, build_task
 from .tp_rollouts import engine_options, rollout_rank, rollout_slot, shared_rollouts
 
@@ -101,6 +102,10 @@ class Trainer:
         if config.exact_logprobs is not False and not exact_conflicts(config):
             self.policy.use_exact_forward(self.llm.exact_forward(
                 self.policy.model, config.lora.enabled and config.lora.sync_mode == "runtime"))
+        if config.moe.routing_replay and self.llm.routing_format is None:
+            raise ValueError(f"moe.routing_replay: {config.model} has no experts to route; "
+                             "set it false.")
+        self.policy.routing_replay = config.moe.routing_replay
         self.partial = None  # the collector that carries groups across steps
         if config.rollout.partial.enabled:
             self.partial = make_collector(self.llm, self.tokenizer, config.rollout,
@@ -273,10 +278,16 @@ class Trainer:
             batch.sampling_thresholds, batch.completion_ids,
             self.llm.compile_grammar(rollout_params(rollout, 0)),
             tokens.num_completion_slots, rollout.top_k, rollout.top_p, device)
+        if batch.routed_experts is not None:  # a mixture of experts: the sampler's routing
+            tokens.routing = routing_rows(
+                batch.routed_experts, [len(ids) for ids in batch.prompt_ids],
+                tokens.input_ids.shape[1] - tokens.num_completion_slots,
+                tokens.input_ids.shape[1]).to(device)
         targets = self.algorithm.prepare(
             rewards.to(device), batch.group_ids.to(device), mask,
             lambda values, reference: self._score(tokens, values, reference))
         self.model.train()
+        self.policy.routing_counts = RoutingCounts()  # the trained passes' own routing
         num_rows, num_tokens = len(batch.completion_ids), int(mask.sum())
         slices = self._micro_batches(num_rows)
         losses, parts = [], []
@@ -295,7 +306,7 @@ class Trainer:
             parts.append(micro_metrics)
         grad_norm = self._optimizer_step()
         return {"loss": float(torch.stack(losses).sum()), "grad_norm": grad_norm,
-                **combine_metrics(parts)}
+                **combine_metrics(parts), **self.policy.routing_counts.metrics()}
 
     def _micro_batches(self, num_rows: int) -> list[slice]:
         size = self.config.optim.micro_batch_size

@@ -63,6 +63,10 @@ class FusedMoE(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden_size, intermediate))
         self.linear: Callable[..., torch.Tensor] | None = None  # see multiply_through
         self.routed = torch.empty(0, spec.top_k, dtype=torch.long)  # the last forward's
+        self.own_routed = self.routed
+        # Experts to use instead of the router's own ([tokens, top_k]; -1: its own), set by
+        # a trainer replaying the sampler's routing (routing replay) for one forward.
+        self.forced: torch.Tensor | None = None
         self.panels: dict[str, tuple[tuple, list[torch.Tensor]]] | None = None
 
     def pack_weights(self, layout: str | None) -> None:
@@ -129,6 +133,10 @@ class FusedMoE(nn.Module):
         """The experts' weighted sum for each token of ``x`` ``[tokens, hidden]`` (this
         rank's partial sum under tensor parallelism)."""
         weights, experts = route(router_logits, self.spec.top_k, self.spec.renormalize)
+        self.own_routed = experts  # the router's own choice, before any replay
+        if self.forced is not None:
+            weights, experts = replayed(router_logits, self.forced, experts,
+                                        self.spec.renormalize)
         self.routed = experts  # each token's experts, for routing replay
         weights = weights.to(x.dtype)
         flat = experts.flatten()
@@ -154,6 +162,17 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
     (transformers' order), the top k, renormalised to sum to one where the family does."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def replayed(router_logits: torch.Tensor, forced: torch.Tensor, own: torch.Tensor,
+             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing replay: the ``forced`` experts (``[tokens, k]``; a -1 row keeps ``own``),
+    each weighted by the router's own probability of it, renormalised as ``route``."""
+    experts = torch.where(forced[:, :1] >= 0, forced, own)
+    weights = torch.softmax(router_logits, dim=-1, dtype=torch.float32).gather(-1, experts)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, experts

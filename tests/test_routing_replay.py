@@ -1,0 +1,87 @@
+"""Routing replay in the trainer: the sampler's experts, laid out as the trainer's batch,
+counted against the trainer's own routing and, with replay, used in its forward pass, under
+transformers and under the engine's exact forward; and a GRPO run on a mixture of experts
+that logs the agreement."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.rollout import LLM, SamplingParams
+from tandem.trainers.config import load_config
+from tandem.trainers.policy import Policy, token_batch
+from tandem.trainers.routing import RoutingCounts, routing_rows
+from tandem.trainers.trainer import Trainer
+
+from .test_moe import PROMPTS, moe_dirs  # noqa: F401 - a fixture
+from .test_trainer import make_config
+
+NUM_EXPERTS = 4
+
+
+def rollouts(llm: LLM):
+    params = SamplingParams(n=2, max_tokens=8, ignore_eos=True, seed=1, logprobs=0,
+                            return_routed_experts=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    prompts = [p for p, o in zip(PROMPTS, outputs, strict=True) for _ in o.outputs]
+    completions = [c for o in outputs for c in o.outputs]
+    batch = token_batch(prompts, [c.token_ids for c in completions], 0)
+    width = batch.input_ids.shape[1]
+    batch.routing = routing_rows([c.routed_experts for c in completions],
+                                 [len(p) for p in prompts], width - batch.num_completion_slots,
+                                 width)
+    return batch, [c.logprobs for c in completions]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("exact", [False, True], ids=["transformers", "exact forward"])
+def test_the_trainer_counts_and_replays_the_samplers_routing(moe_dirs, kind, exact):  # noqa: F811
+    folder = moe_dirs[kind, 0]
+    llm = LLM(str(folder))
+    batch, _ = rollouts(llm)
+    policy = Policy(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))
+    if exact:
+        policy.use_exact_forward(llm.exact_forward(policy.model))
+    with torch.no_grad():
+        own, _, _ = policy(batch, 1.0)
+        assert policy.routing_counts.total > 0
+        assert policy.routing_counts.agreed == policy.routing_counts.total  # same experts
+        policy.routing_replay = True
+        replayed, _, _ = policy(batch, 1.0)
+        assert torch.equal(replayed, own)  # replaying its own choice changes nothing
+        shifted = torch.where(batch.routing >= 0, (batch.routing + 1) % NUM_EXPERTS, -1)
+        policy.routing_counts = RoutingCounts()
+        moved, _, _ = policy(dataclasses.replace(batch, routing=shifted), 1.0)
+    # its own choice is never the shifted one at the first MoE layer (later layers see
+    # shifted inputs, and may now and then choose as shifted)
+    assert policy.routing_counts.agreed < policy.routing_counts.total / 10
+    assert (moved - own).abs().max() > 1e-3  # and the forward took the shifted experts
+
+
+@pytest.mark.parametrize("exact", [None, False])
+def test_grpo_on_a_mixture_of_experts_logs_routing_agreement(moe_dirs, tmp_path, exact):  # noqa: F811
+    config = make_config(moe_dirs["qwen3_moe", 0], tmp_path, target_token=7, steps=2,
+                         exact_logprobs=exact)
+    config.moe.routing_replay = exact is False
+    trainer = Trainer(config)
+    for _ in range(2):
+        metrics = trainer.train_step()
+        assert 0.9 <= metrics["routing_agreement"] <= 1.0
+        assert metrics["sampler_logprob_diff_max"] < 1e-4
+    if exact is None:  # exact kernels: the trainer routes as the sampler did, bit for bit
+        assert metrics["routing_agreement"] == 1.0 and metrics["sampler_logprob_diff_max"] == 0
+
+
+def test_routing_replay_on_a_dense_model_is_refused(llama_dir, tmp_path):
+    config = make_config(llama_dir, tmp_path, target_token=7, steps=1)
+    config.moe.routing_replay = True
+    with pytest.raises(ValueError, match="routing_replay.*no experts"):
+        Trainer(config)
+
+
+def test_a_recipe_takes_the_moe_section():
+    assert load_config(None, ["moe.routing_replay=true"]).moe.routing_replay is True
