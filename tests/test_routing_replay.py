@@ -6,6 +6,7 @@ that logs the agreement."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from .test_moe import PROMPTS, moe_dirs  # noqa: F401 - a fixture
 from .test_trainer import make_config
 
 NUM_EXPERTS = 4
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_moe_tiny.yaml"
 
 
 def rollouts(llm: LLM):
@@ -85,3 +87,16 @@ def test_routing_replay_on_a_dense_model_is_refused(llama_dir, tmp_path):
 
 def test_a_recipe_takes_the_moe_section():
     assert load_config(None, ["moe.routing_replay=true"]).moe.routing_replay is True
+
+
+def test_the_moe_recipe_builds_its_model_and_learns(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_CACHE", str(tmp_path / "cache"))  # built here, not reused
+    config = load_config(RECIPE, [f"output_dir={tmp_path / 'run'}", "steps=4",
+                                  "logging.wandb=false", "logging.progress_bar=false",
+                                  "logging.console_every=0", "eval_size=0"])
+    trainer = Trainer(config)
+    assert (tmp_path / "cache" / "tiny-random-moe" / "config.json").is_file()
+    history = [trainer.train_step() for _ in range(4)]
+    assert history[-1]["reward"] > history[0]["reward"] + 0.2
+    assert all(m["routing_agreement"] == 1.0 for m in history)
+    assert all(m["sampler_logprob_diff_max"] == 0.0 for m in history)
