@@ -36,6 +36,8 @@ engines still alive):
   (row bits alone and among M rows, seconds), decode tok/s with ``exact_logprobs`` on over
   off, the engine against itself (batch of 8, prefill rescoring) and the trainer's forward
   against the engine's sampled log-probs (target: a gap of exactly 0).
+- ``moe``: the Triton grouped experts at Qwen3-30B-A3B's layer shape (issue 41): error
+  against float64, a token's bits alone and among others, seconds against the torch path.
 - ``resources``: registers, spills and shared memory of every Triton kernel compiled here.
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
@@ -88,6 +90,7 @@ from gpu_check_kernels import (  # noqa: E402
     check_long_attention,
     check_resources,
 )
+from gpu_check_moe import check_moe  # noqa: E402
 from gpu_check_rl import check_grpo, check_ipc, check_server, check_structured  # noqa: E402
 from gpu_check_throughput import check_decode, check_nano_bench  # noqa: E402
 
@@ -182,6 +185,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "grpo": (40, lambda: check_grpo(rec, folder, work)),
             "structured": (15, lambda: check_structured(rec, work)),
             "exact": (25, lambda: check_exact(rec, folder)),
+            "moe": (10, lambda: check_moe(rec)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
             "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}

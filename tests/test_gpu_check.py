@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"kernels", "tokens", "memory", "lifecycle", "updates", "ipc", "bandwidth", "decode",
-            "nano_bench", "server", "grpo", "structured", "exact", "resources", "qwen3_8b",
+            "nano_bench", "server", "grpo", "structured", "exact", "moe", "resources", "qwen3_8b",
             "tensor_parallel"}
 
 

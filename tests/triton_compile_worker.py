@@ -55,10 +55,11 @@ from tandem.kernels import (
     triton_attention,
     triton_layers,
     triton_linear,
+    triton_moe,
 )
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
-KERNEL_MODULES = (triton_attention, triton_layers, triton_linear)
+KERNEL_MODULES = (triton_attention, triton_layers, triton_linear, triton_moe)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 NUM_DECODES, PREFILL_LEN = 3, 21
@@ -213,6 +214,15 @@ def run_step(geometry: Geometry) -> None:
     triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=dtype))
     triton_linear.linear(hidden, _meta(g.num_heads * g.head_dim, g.hidden_size, dtype=dtype),
                          _meta(g.num_heads * g.head_dim, dtype=dtype))
+    # a mixture of experts' grouped matmuls (8 experts, top 2), gate/up then down
+    rows = triton_moe.max_pairs(tokens, 2, 8, triton_linear.TILES[dtype][0])
+    token_of_row = _meta(rows, dtype=torch.long)
+    block_expert = _meta(rows // triton_linear.TILES[dtype][0], dtype=torch.long)
+    triton_moe.grouped_linear(hidden, token_of_row, block_expert,
+                              _meta(8, 2 * g.intermediate_size, g.hidden_size, dtype=dtype))
+    triton_moe.grouped_linear(_meta(rows, g.intermediate_size, dtype=dtype), token_of_row,
+                              block_expert, _meta(8, g.hidden_size, g.intermediate_size,
+                                                  dtype=dtype))
 
 
 def record_launches(geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[Launch]:

@@ -63,6 +63,8 @@ class LayerKernels:
             ``cpu_linear.py`` (timed, or the batch-invariant panels).
         batch_invariant_linear: the matmul whose rows' bits do not depend on the row count,
             where it is a kernel of its own (Triton's); None where the panels are.
+        fused_moe: a mixture of experts' whole expert computation in grouped matmuls
+            (``triton_moe.fused_moe``'s signature), or None (the experts loop in torch).
     """
 
     name: str
@@ -71,6 +73,7 @@ class LayerKernels:
     silu_and_mul: Callable[..., torch.Tensor]
     cpu_linear_layouts: bool = True
     batch_invariant_linear: Callable[..., torch.Tensor] | None = None
+    fused_moe: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def _cpu_ops(device: torch.device) -> KernelOps:
 
 def _triton_ops(exact: bool) -> KernelOps:
     # Imported here so that the CPU path never imports Triton.
-    from . import triton_attention, triton_layers, triton_linear
+    from . import triton_attention, triton_layers, triton_linear, triton_moe
 
     attention = AttentionBackend(
         "triton", triton_attention.store_kv, triton_attention.batch_invariant_attention
@@ -172,7 +175,7 @@ def _triton_ops(exact: bool) -> KernelOps:
     return KernelOps(attention, LayerKernels(
         "triton", triton_layers.rms_norm, triton_layers.rotary_embedding,
         triton_layers.silu_and_mul, cpu_linear_layouts=False,
-        batch_invariant_linear=triton_linear.linear))
+        batch_invariant_linear=triton_linear.linear, fused_moe=triton_moe.fused_moe))
 
 
 def check_sharded(ops: KernelOps, device: torch.device) -> None:

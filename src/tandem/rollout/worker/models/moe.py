@@ -10,7 +10,9 @@ tensors a trainer's ``named_parameters()`` gives onto those names, so updates ta
 layout.
 
 The experts run grouped: the token-expert pairs sorted by expert, one matmul per expert and
-projection over its tokens, each output weighted and added to its token in expert order.
+projection over its tokens, each output weighted and added to its token in expert order;
+with the Triton kernels (``LayerKernels.fused_moe``) one grouped matmul per projection for
+every expert at once (``kernels/triton_moe.py``).
 Each matmul follows the model's linear plan (``pack_weights``/``multiply_through``, as its
 linear layers do): ``F.linear``, or with the CPU ``"panels"`` layout each expert's panels
 (a copy, rebuilt when its parameter changes), or a kernel of the plan's own (Triton's
@@ -138,6 +140,10 @@ class FusedMoE(nn.Module):
             weights, experts = replayed(router_logits, self.forced, experts,
                                         self.spec.renormalize)
         self.routed = experts  # each token's experts, for routing replay
+        fused = self.ops.layers.fused_moe
+        if fused is not None and self.linear is None and self.panels is None:
+            return fused(x, self.gate_up_proj, self.down_proj, experts, weights,
+                         self.ops.silu_and_mul)
         weights = weights.to(x.dtype)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
