@@ -55,20 +55,31 @@ def _linear_kernel(x, weight, bias, out, num_rows, out_features, in_features, st
                    UPCAST: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < num_rows, rn < out_features
+    acc = tile_matmul(x, rm, m_mask, weight, rn, n_mask, in_features, stride_xm, stride_wn,
+                      stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    if HAS_BIAS:
+        acc += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
+             acc.to(out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def tile_matmul(x, rows, m_mask, weight, rn, n_mask, in_features, stride_xm, stride_wn,
+                stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    """The float32 tile ``x[rows] W[rn]^T``: K in ``BLOCK_K`` chunks, in order, each by one
+    ``tl.dot`` (the one sum order every batch-invariant matmul here shares)."""
+    rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
         k = k_start + rk
         k_mask = k < in_features
-        a = tl.load(x + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
+        a = tl.load(x + rows[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(weight + rn[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision="ieee")
-    if HAS_BIAS:
-        acc += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
-             acc.to(out.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    return acc

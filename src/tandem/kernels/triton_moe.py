@@ -6,7 +6,7 @@ padded to whole ``BLOCK_M`` blocks (no host sync: the layout's size is a bound k
 the token count, ``max_pairs``), then runs ``_grouped_kernel`` twice: gate/up over the
 tokens' hidden states, and down over the pairs' activations. Each program multiplies one
 block of one expert's rows by one tile of that expert's weight, summing over K in fixed
-``BLOCK_K`` chunks in order (no split-K, fixed tiles per dtype: ``triton_linear``'s), so a
+``BLOCK_K`` chunks in order (``triton_linear.tile_matmul``, with its fixed tiles), so a
 token's outputs keep their bits whatever batch it is in. Each token then adds its experts'
 outputs, weighted, in ascending expert order.
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_linear import TILES
+from .triton_linear import TILES, tile_matmul
 
 
 def max_pairs(num_tokens: int, top_k: int, num_experts: int, block_m: int) -> int:
@@ -114,19 +114,8 @@ def _grouped_kernel(x, token_of_row, block_expert, weight, out, out_features, in
                  mask=n_mask[None, :])
         return
     tokens = tl.load(token_of_row + rm)
-    m_mask = tokens >= 0
-    rk = tl.arange(0, BLOCK_K)
-    w = weight + expert.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, in_features, BLOCK_K):
-        k = k_start + rk
-        k_mask = k < in_features
-        a = tl.load(x + tokens[:, None].to(tl.int64) * stride_xm + k[None, :],
-                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w + rn[None, :].to(tl.int64) * stride_wn + k[:, None] * stride_wk,
-                    mask=n_mask[None, :] & k_mask[:, None], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+    acc = tile_matmul(x, tokens, tokens >= 0, weight + expert.to(tl.int64) * stride_we, rn,
+                      n_mask, in_features, stride_xm, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
+                      BLOCK_K, UPCAST)
     tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
              acc.to(out.dtype.element_ty), mask=n_mask[None, :])

@@ -62,15 +62,16 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                 if name not in spec:
                     tensor = _read_tensor(file, data_start, entry)
                     for alias, part in _unalias(model, name, tensor):
-                        _copy_into(spec, alias, part, params, model)
+                        _copy_into(_destination(spec, alias, tuple(part.shape), params, model),
+                                   spec[alias].split, part, model)
                         loaded.add(alias)
                     continue
                 destination = _destination(spec, name, tuple(entry["shape"]), params, model)
                 if model.tp.size == 1 and destination.is_contiguous():
                     _read_into(file, data_start, entry, destination)
                 else:
-                    _copy_into(spec, name, _read_tensor(file, data_start, entry), params,
-                               model)
+                    _copy_into(destination, spec[name].split,
+                               _read_tensor(file, data_start, entry), model)
                 loaded.add(name)
     missing = set(spec) - loaded
     if missing:
@@ -115,12 +116,11 @@ def _destination(spec: dict[str, WeightTarget], name: str, shape: tuple[int, ...
     return destination
 
 
-def _copy_into(spec: dict[str, WeightTarget], name: str, tensor: torch.Tensor,
-               params: dict[str, torch.Tensor], model: CausalLM) -> None:
-    """Copy this rank's slice of the full tensor ``name`` into its place."""
-    destination = _destination(spec, name, tuple(tensor.shape), params, model)
+def _copy_into(destination: torch.Tensor, split: str | None, tensor: torch.Tensor,
+               model: CausalLM) -> None:
+    """Copy this rank's slice of the full ``tensor`` (of ``split``) into ``destination``."""
     with torch.no_grad():
-        destination.copy_(local_slice(spec[name].split, tensor, model.config, model.tp))
+        destination.copy_(local_slice(split, tensor, model.config, model.tp))
 
 
 def _read_into(file: BinaryIO, data_start: int, entry: dict, param: torch.Tensor) -> None:

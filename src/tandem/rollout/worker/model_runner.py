@@ -180,14 +180,19 @@ class ModelRunner:
 
     def lora_layers(self) -> dict[str, LoraLinear]:
         """The layers that can add a run-time LoRA adapter, by Hugging Face weight name."""
-        return {name: module for name, (module, _) in self.model.lora_layers().items()}
+        return {name: module for name, (module, _) in self._lora_parts.items()}
+
+    @functools.cached_property
+    def _lora_parts(self) -> dict[str, tuple[LoraLinear, int]]:
+        # Walked once: the layers and their parts never change after the model is built.
+        return self.model.lora_layers(self.weight_spec)
 
     def set_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Serve run-time adapter factors (full ``A [r, in]``, ``B [out, r]``, scale) by
         weight name, each layer its rank's slice of them (a layer of several parts one
         adapter per part, ``stack_lora``); layers left out serve none."""
         per_layer: dict[LoraLinear, list] = {}
-        for name, (module, part) in self.model.lora_layers().items():
+        for name, (module, part) in self._lora_parts.items():
             given = factors.get(name)
             parts = per_layer.setdefault(module, [None] * max(1, len(module.parts)))
             parts[part] = None if given is None else lora_slice(
@@ -360,7 +365,8 @@ class ModelRunner:
         step, num_sampling, scored = self._prepare(batch)
         if after_unread:
             self._read_pending_tokens(batch, step.input_ids)
-        self.record_routing = any(seq.records_routing for seq in batch.seqs)
+        self.record_routing = bool(self.moe_layers) and any(seq.records_routing
+                                                            for seq in batch.seqs)
         logits = self.run_step(step).float()
         routed = self._routed_experts(batch) if self.record_routing else None
         sampling, prompt = logits[:num_sampling], logits[num_sampling:]

@@ -42,7 +42,7 @@ from tandem.kernels.differentiable import panel_linear
 from ...parallel.tensor_parallel import TensorParallel, vocab_per_rank
 from .layers import FusedProjections, Linear, LiveLinear, LoraLinear, VocabEmbedding
 from .rotary import RotaryEmbedding
-from .weight_spec import WeightTarget
+from .weight_spec import WeightSpec, WeightTarget
 
 CALIBRATION_BYTES = 64 << 20  # weights timed to choose the CPU linear layout
 
@@ -208,12 +208,13 @@ class CausalLM(nn.Module):
         owners = [*self.fused_projections(), *(m for m in self.modules() if isinstance(m, Linear))]
         return [owner.packed for owner in owners if isinstance(owner.packed, PackedWeight)]
 
-    def lora_layers(self) -> dict[str, tuple[LoraLinear, int]]:
-        """The layers that add a run-time LoRA adapter, by Hugging Face weight name, each
-        with the part of the layer the name is (0 for a layer of one part)."""
+    def lora_layers(self, spec: WeightSpec) -> dict[str, tuple[LoraLinear, int]]:
+        """The layers that add a run-time LoRA adapter, by Hugging Face weight name (of
+        ``spec``, this model's ``weight_spec()``), each with the part of the layer the name
+        is (0 for a layer of one part)."""
         modules = dict(self.named_modules())
         layers = {}
-        for name, target in self.weight_spec().items():
+        for name, target in spec.items():
             module = modules[target.parameter.rpartition(".")[0]]
             if isinstance(module, LoraLinear) and target.parameter.endswith(".weight"):
                 layers[name] = (module, target.slot[0][0] if target.slot else 0)
