@@ -1,7 +1,8 @@
-"""Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers: greedy tokens and
-log-probs, weights in both layouts (a checkpoint's tensor per expert, transformers' stacked
-experts), bad expert tensors named, tensor parallelism, exact log-probs through the experts,
-and what is refused for now."""
+"""Mixture-of-experts families (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral)
+against transformers: greedy tokens and log-probs, weights in both layouts (a checkpoint's
+tensor per expert, transformers' stacked experts), bad expert tensors named, tensor
+parallelism, exact log-probs through the experts, the memory plan and offload, and what is
+refused for now."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
 from tandem.rollout import LLM, Continuation, RequestOutput, SamplingParams, WeightUpdateError
 from tandem.rollout.worker.models import model_class
+from tandem.rollout.worker.models.moe import FusedMoE
+from tandem.rollout.worker.weight_offload import OffloadableWeights
 
 from .conftest import build_tokenizer
 from .test_exact_logprobs import assert_exact, sampled, trainer_logprobs
@@ -27,6 +30,11 @@ CONFIGS = {
         vocab_size=v, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
         num_experts=4, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False,
         **TINY),
+    # a shared expert beside the routed ones; q/k/v biases; top-k weights not renormalised
+    "qwen2_moe": lambda v: Qwen2MoeConfig(
+        vocab_size=v, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, num_experts=4, norm_topk_prob=False,
+        tie_word_embeddings=False, **TINY),
     "mixtral": lambda v: MixtralConfig(vocab_size=v, intermediate_size=32, num_local_experts=4,
                                        sliding_window=None, **TINY),
 }
@@ -102,8 +110,9 @@ def test_a_checkpoint_missing_an_expert_names_it(moe_dirs, tmp_path):
         LLM(str(tmp_path))
 
 
-def test_tensor_parallel_shards_the_experts_and_equals_one_rank(moe_dirs):
-    folder = moe_dirs["qwen3_moe", 0]
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_tensor_parallel_shards_the_experts_and_equals_one_rank(moe_dirs, kind):
+    folder = moe_dirs[kind, 0]  # Qwen2-MoE: its shared expert sharded like the experts
     assert greedy(LLM(str(folder), tensor_parallel_size=2)) == greedy(LLM(str(folder)))
 
 
@@ -206,3 +215,23 @@ def test_routed_experts_come_over_the_rollouts_route(moe_dirs):
         for a, b in zip(ours.outputs, theirs.outputs, strict=True):
             assert a.token_ids == b.token_ids
             assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_the_plan_counts_the_experts_and_sleep_2_offloads_them(moe_dirs, kind):
+    folder = moe_dirs[kind, 0]
+    llm, hf_model = LLM(str(folder)), reference(folder)
+    runner = llm.engine.runner
+    hf_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+    assert runner.weight_bytes() == hf_bytes  # every expert's weights, counted once
+    before = greedy(llm)
+    # sleep(2) on CUDA offloads the weights' region, made at load; here made on CPU
+    model = runner.model
+    weights = OffloadableWeights(model, torch.device("cpu"))
+    weights.offload(model)
+    host = range(weights.host.data_ptr(), weights.host.data_ptr() + weights.host.nbytes)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert experts and all(m.gate_up_proj.data_ptr() in host and m.down_proj.data_ptr() in host
+                           for m in experts)
+    weights.reload(model)
+    assert greedy(llm) == before

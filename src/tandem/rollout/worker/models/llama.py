@@ -48,7 +48,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim ** -0.5
         config_bias = bool(getattr(config, "attention_bias", False)) and arch.bias_from_config
-        qkv_bias, o_bias = arch.qkv_bias or config_bias, arch.o_bias or config_bias
+        # Qwen2-MoE's config says whether q/k/v have biases (``qkv_bias``)
+        qkv_bias = getattr(config, "qkv_bias", arch.qkv_bias) or config_bias
+        o_bias = arch.o_bias or config_bias
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.q_proj = LoraLinear(hidden, q_size, qkv_bias, COLUMN)
@@ -81,13 +83,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SiLU-gated feed-forward block."""
+    """SiLU-gated feed-forward block (of the config's ``intermediate_size`` unless given:
+    a shared expert's)."""
 
-    def __init__(self, config: PretrainedConfig, ops: KernelOps, tp: TensorParallel) -> None:
+    def __init__(self, config: PretrainedConfig, ops: KernelOps, tp: TensorParallel,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
         self.ops = ops
         self.tp = tp
-        hidden, intermediate = config.hidden_size, config.intermediate_size // tp.size
+        hidden = config.hidden_size
+        intermediate = (intermediate_size or config.intermediate_size) // tp.size
         self.gate_proj = LoraLinear(hidden, intermediate, False, COLUMN)
         self.up_proj = LoraLinear(hidden, intermediate, False, COLUMN)
         self.down_proj = LoraLinear(intermediate, hidden, False, ROW)
@@ -95,7 +100,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(*self.gate_up(x))))
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output (its slice of the intermediate dimension), before
+        the ranks' all-reduce."""
+        return self.down_proj(self.ops.silu_and_mul(*self.gate_up(x)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,10 +228,10 @@ class LlamaForCausalLM(CausalLM):
 
     def linear_groups(self, layer: nn.Module) -> list[Linear | FusedProjections]:
         """q/k/v, o, and the MLP's input projections (its ``gate_up``) and ``down_proj``, or
-        a mixture of experts' router."""
+        a mixture of experts' (``SparseMoeBlock.linear_groups``)."""
         attention, mlp = layer.self_attn, layer.mlp
         if isinstance(mlp, SparseMoeBlock):
-            return [attention.qkv, attention.o_proj, mlp.gate]
+            return [attention.qkv, attention.o_proj, *mlp.linear_groups()]
         return [attention.qkv, attention.o_proj, mlp.gate_up, mlp.down_proj]
 
 

@@ -185,15 +185,26 @@ def replayed(router_logits: torch.Tensor, forced: torch.Tensor, own: torch.Tenso
 
 
 class SparseMoeBlock(nn.Module):
-    """A router (``gate``, replicated) and the experts; one all-reduce adds the ranks'
-    partial sums."""
+    """A router (``gate``, replicated) and the experts, and optionally a shared expert every
+    token takes (Qwen2-MoE's: a gated MLP, its output scaled by ``sigmoid(shared_expert_gate
+    (x))``, sharded like the experts); one all-reduce adds the ranks' partial sums."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec, ops: KernelOps,
-                 tp: TensorParallel) -> None:
+                 tp: TensorParallel, shared_expert: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = Linear(hidden_size, spec.num_experts, bias=False)
         self.experts = FusedMoE(hidden_size, spec, ops, tp)
+        self.shared_expert = shared_expert  # a ``LlamaMLP``: its ``partial`` is used
+        if shared_expert is not None:
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         self.tp = tp
+
+    def linear_groups(self) -> list[nn.Module]:
+        """The router, and the shared expert's gate, input projections and down projection."""
+        if self.shared_expert is None:
+            return [self.gate]
+        shared = self.shared_expert
+        return [self.gate, self.shared_expert_gate, shared.gate_up, shared.down_proj]
 
     def aliases(self, prefix: str, name: str, tensor: torch.Tensor
                 ) -> list[tuple[str, torch.Tensor]] | None:
@@ -206,7 +217,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for each token of ``x`` ``[tokens, hidden]``."""
-        return self.tp.all_reduce(self.experts(x, self.gate(x)))
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:  # as transformers adds it: experts + gated shared
+            gate = row_sigmoid(self.shared_expert_gate(x))
+            out = out + gate * self.shared_expert.partial(x)
+        return self.tp.all_reduce(out)
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``sigmoid(x)`` of ``x`` ``[tokens, 1]``, with the same bits for a token whatever rows
+    share the tensor: as a softmax over the row ``[x, 0]``. (``torch.sigmoid`` on CPU takes
+    the vector path for most elements and a scalar one for the tail, whose last bits differ,
+    so a token's gate would depend on its position in the batch; a softmax works per row.)"""
+    pair = torch.cat([x, torch.zeros_like(x)], dim=-1)
+    return torch.softmax(pair, dim=-1, dtype=torch.float32)[:, :1].to(x.dtype)
 
 
 def _checkpoint_stem(prefix: str, spec: MoeSpec) -> str:

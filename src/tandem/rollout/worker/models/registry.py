@@ -25,7 +25,7 @@ _MODELS: dict[str, type[CausalLM] | str] = {
     **{name: f"{_PACKAGE}.llama:{name}" for name in
        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
     **{name: f"{_PACKAGE}.mixtures:{name}" for name in
-       ("Qwen3MoeForCausalLM", "MixtralForCausalLM")}}
+       ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")}}
 _EXTERNAL: dict[str, str] = {}
 
 
