@@ -92,6 +92,29 @@ def test_the_panel_kernel_equals_the_float64_matmul(rows, out_features, bias, dt
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("counts", [[3, 0, 14, 1], [0, 0, 5, 0], [40, 13, 0, 27]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_grouped_experts_each_equal_the_float64_matmul_and_their_rows_alone(counts, dtype):
+    # Experts with no rows, a few, and more than a register block; 37 outputs (a padded
+    # last panel), 100 inputs (a partial accumulation block).
+    generator = torch.Generator().manual_seed(sum(counts))
+    weights = torch.randn(len(counts), 37, 100, generator=generator).to(dtype)
+    x = torch.randn(sum(counts), 100, generator=generator).to(dtype)
+    offsets = torch.tensor([0, *counts]).cumsum(0)
+    panels = torch.stack([cpu_linear.panel_layout(w) for w in weights])
+    out = cpu_linear.grouped_panel_linear(x, panels, offsets, 37)
+    for expert, (start, stop) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist())):
+        rows = x[start:stop]
+        expected = F.linear(rows.double(), weights[expert].double())
+        torch.testing.assert_close(out[start:stop].double(), expected,
+                                   rtol=1e-6 if dtype == torch.float32 else 2.0**-7,
+                                   atol=1e-5 if dtype == torch.float32 else 1e-2)
+        for row in range(start, stop):  # the same bits as the row multiplied alone
+            alone = cpu_linear.panel_linear(x[row:row + 1], panels[expert], 37, None)
+            assert torch.equal(out[row:row + 1], alone)
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
 def test_the_panel_kernel_reads_rows_a_stride_apart():
     generator = torch.Generator().manual_seed(0)
     weight, wide = torch.randn(32, 24, generator=generator), torch.randn(3, 40, generator=generator)

@@ -153,22 +153,28 @@ static inline __attribute__((always_inline)) void group_times_rows(
                              out, out_stride, bf16);
 }
 
-/* out [rows, out_features] (rows out_stride apart) = x [rows, in] (x_stride apart) times the
- * panels of W [out_features, in], plus bias (NULL: none), all float32, or all bfloat16 when
- * `bf16`: then x is converted to float32 first, once (converting each element where it is
- * multiplied, once per panel, held the kernel to half its float32 speed). The rows go in
- * tiles of about X_TILE_BYTES, so that every panel multiplies a tile that stays in the
- * core's L2 cache. Returns 0, or -1 when the float32 copy of x could not be allocated. */
+/* The experts of a mixture, each its own rows of x times its own panels: rows
+ * [offsets[e], offsets[e + 1]) of x [offsets[num_experts], in] (x_stride apart; offsets[0]
+ * is 0) times the panels of expert e's W [out_features, in] (at element e * expert_stride of `panels`),
+ * plus bias (NULL: none), into the same rows of out (out_stride apart); all float32, or all
+ * bfloat16 when `bf16`: then x is converted to float32 first, once (converting each element
+ * where it is multiplied, once per panel, held the kernel to half its float32 speed). The
+ * rows go in tiles of about X_TILE_BYTES, so that every panel multiplies a tile that stays
+ * in the core's L2 cache. A row's outputs have the same bits in any group, tile or expert's
+ * batch (panel_rows). Returns 0, or -1 when the float32 copy of x could not be allocated. */
 #define X_TILE_BYTES (256 * 1024)
-int32_t tandem_panel_linear(const void *x, int64_t x_stride, int64_t rows, int64_t in,
-                            const void *panels, int64_t out_features, const void *bias,
-                            void *out, int64_t out_stride, int32_t bf16, int32_t num_threads) {
-    const int64_t num_panels = (out_features + PANEL - 1) / PANEL;
+int32_t tandem_grouped_panel_linear(const void *x, int64_t x_stride, const int64_t *offsets,
+                                    int64_t num_experts, int64_t in, const void *panels,
+                                    int64_t expert_stride, int64_t out_features,
+                                    const void *bias, void *out, int64_t out_stride,
+                                    int32_t bf16, int32_t num_threads) {
+    const int64_t num_panels = (out_features + PANEL - 1) / PANEL, rows = offsets[num_experts];
+    const int64_t element = bf16 ? 2 : 4;
     int64_t tile = X_TILE_BYTES / (in * (int64_t)sizeof(float)) / BLOCK_ROWS * BLOCK_ROWS;
     tile = tile < BLOCK_ROWS ? BLOCK_ROWS : tile;
     float *converted = NULL;
     if (bf16) {
-        converted = malloc(sizeof(float) * rows * in);
+        converted = malloc(sizeof(float) * (rows > 0 ? rows : 1) * in);
         if (converted == NULL)
             return -1;
         for (int64_t r = 0; r < rows; r++)
@@ -179,18 +185,31 @@ int32_t tandem_panel_linear(const void *x, int64_t x_stride, int64_t rows, int64
     const float *x32 = bf16 ? converted : (const float *)x;
     const int64_t num_groups = (num_panels + PAIRED - 1) / PAIRED;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t first = 0; first < rows; first += tile) {
-        const int64_t count = rows - first < tile ? rows - first : tile;
+    for (int64_t e = 0; e < num_experts; e++) {
+        const void *own = (const char *)panels + e * expert_stride * element;
+        for (int64_t first = offsets[e]; first < offsets[e + 1]; first += tile) {
+            const int64_t count = offsets[e + 1] - first < tile ? offsets[e + 1] - first : tile;
 #pragma omp for schedule(static)
-        for (int64_t g = 0; g < num_groups; g++) {
-            if (bf16)
-                group_times_rows(x32, x_stride, first, count, in, panels, g, num_panels,
-                                 out_features, bias, out, out_stride, 1);
-            else
-                group_times_rows(x32, x_stride, first, count, in, panels, g, num_panels,
-                                 out_features, bias, out, out_stride, 0);
+            for (int64_t g = 0; g < num_groups; g++) {
+                if (bf16)
+                    group_times_rows(x32, x_stride, first, count, in, own, g, num_panels,
+                                     out_features, bias, out, out_stride, 1);
+                else
+                    group_times_rows(x32, x_stride, first, count, in, own, g, num_panels,
+                                     out_features, bias, out, out_stride, 0);
+            }
         }
     }
     free(converted);
     return 0;
+}
+
+/* out [rows, out_features] = x [rows, in] times the panels of W [out_features, in], plus
+ * bias: one expert's worth of tandem_grouped_panel_linear. */
+int32_t tandem_panel_linear(const void *x, int64_t x_stride, int64_t rows, int64_t in,
+                            const void *panels, int64_t out_features, const void *bias,
+                            void *out, int64_t out_stride, int32_t bf16, int32_t num_threads) {
+    const int64_t offsets[2] = {0, rows};
+    return tandem_grouped_panel_linear(x, x_stride, offsets, 1, in, panels, 0, out_features,
+                                       bias, out, out_stride, bf16, num_threads);
 }

@@ -136,6 +136,31 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     return out
 
 
+def grouped_panel_linear(x: torch.Tensor, panels: torch.Tensor, offsets: torch.Tensor,
+                         out_features: int) -> torch.Tensor:
+    """Each expert's rows of ``x`` times its own weight in one call: rows ``offsets[e]`` to
+    ``offsets[e + 1]`` of ``x`` ``[rows, in]`` times ``W_e^T``, ``panels`` ``[E, ...]``
+    holding each ``panel_layout(W_e)``, ``offsets`` int64 ``[E + 1]`` from 0. A row's
+    outputs have the bits ``panel_linear`` gives it alone (the mixture of experts' CPU
+    path: one call per projection instead of one per expert).
+
+    Raises:
+        MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
+    """
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    kernel = cpu_build.kernel("tandem_grouped_panel_linear", (
+        _POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT,
+        ctypes.c_int32, ctypes.c_int32), ctypes.c_int32)
+    offsets = offsets.to(torch.int64).contiguous()
+    status = kernel(x.data_ptr(), x.stride(0), offsets.data_ptr(), len(offsets) - 1,
+                    x.shape[1], panels.data_ptr(), panels[0].numel(), out_features, None,
+                    out.data_ptr(), out_features, cpu_build.DTYPES[x.dtype],
+                    torch.get_num_threads())
+    if status != 0:
+        raise MemoryError("the panel kernel could not allocate its float32 copy of the input")
+    return out
+
+
 class PackedWeight:
     """A copy of the weights of one or more linear layers that read the same input (q/k/v,
     gate/up), stacked along their outputs, with their biases, in ``layout`` (one of

@@ -9,14 +9,15 @@ maps the checkpoints' one tensor per expert (``experts.3.gate_proj.weight``, or 
 tensors a trainer's ``named_parameters()`` gives onto those names, so updates take either
 layout.
 
-The experts run grouped: the token-expert pairs sorted by expert, one matmul per expert and
-projection over its tokens, each output weighted and added to its token in expert order;
-with the Triton kernels (``LayerKernels.fused_moe``) one grouped matmul per projection for
-every expert at once (``kernels/triton_moe.py``).
-Each matmul follows the model's linear plan (``pack_weights``/``multiply_through``, as its
-linear layers do): ``F.linear``, or with the CPU ``"panels"`` layout each expert's panels
-(a copy, rebuilt when its parameter changes), or a kernel of the plan's own (Triton's
-batch-invariant matmul, a trainer's differentiable one). With the panels or Triton's, a
+The experts run grouped: the token-expert pairs sorted by expert, each expert's rows through
+its weights, each output weighted and added to its token in ascending expert order. The
+matmuls follow the model's linear plan (``pack_weights``/``multiply_through``, as its linear
+layers do): with the CPU ``"panels"`` layout one call per projection for every expert
+(``cpu_linear.grouped_panel_linear`` over the experts' stacked panels, a copy rebuilt when
+the parameter changes); else one matmul per expert, by ``F.linear`` or a kernel of the
+plan's own (Triton's batch-invariant matmul, a trainer's differentiable one); with the
+Triton kernels and no plan (``LayerKernels.fused_moe``) one grouped matmul per projection
+(``kernels/triton_moe.py``). With the panels or Triton's, a
 token's experts, weights and output keep their bits whatever batch it runs in: exact
 log-probs, and the trainer routes as the sampler did.
 """
@@ -69,7 +70,7 @@ class FusedMoE(nn.Module):
         # Experts to use instead of the router's own ([tokens, top_k]; -1: its own), set by
         # a trainer replaying the sampler's routing (routing replay) for one forward.
         self.forced: torch.Tensor | None = None
-        self.panels: dict[str, tuple[tuple, list[torch.Tensor]]] | None = None
+        self.panels: dict[str, tuple[tuple, torch.Tensor]] | None = None
 
     def pack_weights(self, layout: str | None) -> None:
         """Multiply each expert in the CPU ``layout``: its panels for ``"panels"``,
@@ -83,20 +84,20 @@ class FusedMoE(nn.Module):
         self.linear, self.panels = linear, None
 
     def _expert_linear(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
-        weight: torch.Tensor = getattr(self, name)
-        if self.panels is not None:
-            return cpu_linear.panel_linear(x.contiguous(), self._panels(name, weight)[expert],
-                                           weight.shape[1], None)
-        return (self.linear or F.linear)(x, weight[expert], None)
+        return (self.linear or F.linear)(x, getattr(self, name)[expert], None)
 
-    def _panels(self, name: str, weight: torch.Tensor) -> list[torch.Tensor]:
-        """Each expert's panels of ``weight``, rebuilt after an in-place write (an update's
-        copy bumps the parameter's version)."""
+    def _grouped_linear(self, x: torch.Tensor, name: str, offsets: torch.Tensor
+                        ) -> torch.Tensor:
+        """Every expert's rows of ``x`` through its panels of ``name`` in one call; the
+        panels rebuilt after an in-place write (an update's copy bumps the version)."""
+        weight: torch.Tensor = getattr(self, name)
         key = (weight.data_ptr(), weight._version, weight.dtype)
         cached = self.panels.get(name)
         if cached is None or cached[0] != key:
-            cached = self.panels[name] = (key, [cpu_linear.panel_layout(w) for w in weight])
-        return cached[1]
+            panels = torch.stack([cpu_linear.panel_layout(w) for w in weight.detach()])
+            cached = self.panels[name] = (key, panels)
+        return cpu_linear.grouped_panel_linear(x.contiguous(), cached[1], offsets,
+                                               weight.shape[1])
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """Each expert's gate, up and down tensors, by the checkpoint's names, in their
@@ -144,23 +145,39 @@ class FusedMoE(nn.Module):
         if fused is not None and self.linear is None and self.panels is None:
             return fused(x, self.gate_up_proj, self.down_proj, experts, weights,
                          self.ops.silu_and_mul)
-        weights = weights.to(x.dtype)
-        flat = experts.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.spec.num_experts).tolist()
-        tokens = order // self.spec.top_k
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if not count:
-                continue
-            rows = tokens[start:start + count]
-            gate, up = self._expert_linear(x[rows], "gate_up_proj", expert).chunk(2, dim=-1)
-            hidden = self._expert_linear(self.ops.silu_and_mul(gate, up), "down_proj", expert)
-            out.index_add_(0, rows, hidden * weights.flatten()[order[start:start + count], None])
-            start += count
-        return out
+        return self._grouped(x, weights.to(x.dtype), experts)
 
+    def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                 ) -> torch.Tensor:
+        """Each token's experts' outputs, computed with the token-expert pairs sorted by
+        expert (one grouped call per projection with the panels, else one matmul per
+        expert), weighted and added per token in ascending expert order."""
+        top_k, num_experts = self.spec.top_k, self.spec.num_experts
+        order = experts.flatten().argsort(stable=True)
+        counts = torch.bincount(experts.flatten(), minlength=num_experts)
+        rows = x[order // top_k]
+        if self.panels is not None:
+            offsets = F.pad(counts.cumsum(0), (1, 0))
+            gate, up = self._grouped_linear(rows, "gate_up_proj", offsets).chunk(2, dim=-1)
+            hidden = self._grouped_linear(self.ops.silu_and_mul(gate, up), "down_proj", offsets)
+        else:
+            pieces, start = [], 0
+            for expert, count in enumerate(counts.tolist()):
+                if count:
+                    part = rows[start:start + count]
+                    gate, up = self._expert_linear(part, "gate_up_proj", expert).chunk(2, -1)
+                    pieces.append(self._expert_linear(self.ops.silu_and_mul(gate, up),
+                                                      "down_proj", expert))
+                start += count
+            hidden = torch.cat(pieces)
+        pairs = torch.empty_like(hidden)
+        pairs[order] = hidden * weights.flatten()[order, None]  # back in (token, slot) order
+        pairs = pairs.view(len(x), top_k, -1)
+        ranked = pairs.gather(1, experts.argsort(dim=-1)[..., None].expand_as(pairs))
+        out = ranked[:, 0]
+        for slot in range(1, top_k):  # one fixed order of additions for every token
+            out = out + ranked[:, slot]
+        return out
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool
           ) -> tuple[torch.Tensor, torch.Tensor]:
