@@ -31,14 +31,17 @@ def test_overrides_replace_recipe_fields_with_yaml_values(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["stpes=3"], r"unknown field\(s\) stpes: valid fields are algorithm, model"),
+    (["stpes=3"], r"unknown field\(s\) stpes \(did you mean steps\?\): valid fields are algorithm, "
+     r"model"),
     (["optim.learning_rate=1"], r"optim.learning_rate.*valid fields are optim.lr"),
     (["algorithm=dpo"], "algorithm='dpo' is invalid: use one of grpo, ppo"),
     (["rollout.num_generations=1"], "num_generations must be >= 2 for GRPO"),
     (["steps=0"], "steps=0 is invalid"),
     (["optim.lr=fast"], "optim.lr='fast' is invalid: it must be a number"),
     (["steps"], "malformed"),
-    (["rollout.engine={kv_blocks: 8}"], r"rollout.engine.kv_blocks: valid options are dtype"),
+    (["rollout.engine={kv_blocks: 8}"],
+     r"rollout.engine.kv_blocks \(did you mean rollout.engine.num_kv_blocks\?\): valid "
+     r"options are dtype"),
 ])
 def test_bad_fields_are_refused_naming_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):

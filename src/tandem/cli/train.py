@@ -1,11 +1,15 @@
-"""``tandem train RECIPE.yaml [section.field=value ...]``: run a recipe, print where it went."""
+"""``tandem train RECIPE.yaml [section.field=value ...]``: run a recipe, print where it went;
+``--list-keys`` lists every recipe key with its help, ``--print-config`` prints the resolved
+recipe as YAML (defaults included) without running it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tandem.trainers.config import load_config
+import yaml
+
+from tandem.trainers.config import load_config, to_dict
 from tandem.trainers.data_parallel import shutdown
 from tandem.trainers.rewards import RewardError
 
@@ -19,16 +23,30 @@ def add_train_parser(commands: argparse._SubParsersAction) -> None:
     train_parser.add_argument("overrides", nargs="*",
                               help="section.field=value settings over the recipe "
                                    "(steps=5, optim.lr=1e-5, lora.enabled=true)")
+    train_parser.add_argument("--list-keys", action="store_true",
+                              help="list every recipe key with its type, default and help, "
+                                   "and exit")
+    train_parser.add_argument("--print-config", action="store_true",
+                              help="print the resolved recipe (the recipe, the overrides and "
+                                   "every default) as YAML, and exit")
 
 
 def train(args: argparse.Namespace) -> int:
     """Run ``tandem train``; returns the exit status."""
-    from tandem.trainers.trainer import Trainer
+    if args.list_keys:
+        from tandem.trainers.recipe_keys import format_keys, recipe_keys
 
+        print(format_keys(recipe_keys()))
+        return 0
     recipe, overrides = args.recipe, list(args.overrides)
     if recipe is not None and "=" in recipe:
         recipe, overrides = None, [recipe, *overrides]
     config = load_config(recipe, overrides)
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    from tandem.trainers.trainer import Trainer
+
     trainer = Trainer(config)
     try:
         summary = trainer.train()

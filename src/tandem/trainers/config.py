@@ -8,6 +8,7 @@ overrides from the command line, and rejects unknown fields with the list of val
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -305,7 +306,8 @@ class TrainConfig:
         engine_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
         unknown = sorted(set(self.rollout.engine) - set(engine_fields))
         if unknown:
-            raise ValueError(f"unknown engine option(s) rollout.engine.{', '.join(unknown)}: "
+            raise ValueError(f"unknown engine option(s) rollout.engine.{', '.join(unknown)}"
+                             f"{_nearest(unknown, list(engine_fields), 'rollout.engine.')}: "
                              f"valid options are {', '.join(engine_fields)}.")
         conflicts = exact_conflicts(self)
         if self.exact_logprobs and conflicts:
@@ -354,8 +356,10 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(prefix + k for k in unknown)}: valid "
-                         f"fields are {', '.join(prefix + k for k in fields)}.")
+        raise ValueError(f"unknown field(s) {', '.join(prefix + k for k in unknown)}"
+                         f"{_nearest(unknown, list(fields), prefix)}: valid fields are "
+                         f"{', '.join(prefix + k for k in fields)} (tandem train --list-keys "
+                         "lists every key with its help).")
     hints = typing.get_type_hints(cls)
     kwargs = {name: _field_value(hints[name], value, prefix + name)
               for name, value in data.items()}
@@ -379,6 +383,13 @@ def _field_value(hint: Any, value: Any, name: str) -> Any:
         except ValueError:
             raise ValueError(f"{name}={value!r} is invalid: it must be a number.") from None
     return value
+
+
+def _nearest(unknown: list[str], valid: list[str], prefix: str) -> str:
+    """`` (did you mean X?)`` for each unknown key with a close valid one, else ``""``."""
+    close = [f"{prefix}{match[0]}" for key in unknown
+             if (match := difflib.get_close_matches(key, valid, n=1, cutoff=0.6))]
+    return f" (did you mean {', '.join(close)}?)" if close else ""
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
