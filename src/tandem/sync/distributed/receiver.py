@@ -22,7 +22,8 @@ class WeightReceiver:
     Args:
         engine: an ``LLM`` or ``LLMEngine`` (anything with ``weight_update`` and
             ``weight_version``; an ``LLM``'s ``engine`` is used).
-        host, port: the sender's store.
+        host: the sender's store's host.
+        port: the sender's store's port.
         world_size: 1 + the number of engines.
         rank: this engine's rank, 1..world_size - 1.
         device: this rank's device for the mode (default: the engine's); buckets land there
