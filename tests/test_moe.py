@@ -187,16 +187,38 @@ def test_routing_is_the_same_decoded_as_prefilled(moe_dirs):
         assert torch.equal(d.outputs[0].routed_experts, p.outputs[0].routed_experts[:-1])
 
 
-def test_routed_experts_are_refused_where_there_are_none(llama_dir, moe_dirs):
+def test_routed_experts_are_refused_where_there_are_none(llama_dir):
     with pytest.raises(ValueError, match="return_routed_experts needs a mixture-of-experts"):
         LLM(str(llama_dir)).generate([[1, 2, 3]], SamplingParams(return_routed_experts=True))
-    llm = LLM(str(moe_dirs["mixtral", 0]))
-    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), hold_kv=True,
-                         use_tqdm=False)[0]
-    with pytest.raises(ValueError, match="Continuation"):
-        llm.generate([Continuation(first.request_id, 0, [4, 5])],
-                     SamplingParams(return_routed_experts=True), use_tqdm=False)
-    assert llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+@pytest.mark.parametrize("held_blocks", ["kept", "dropped"])
+def test_a_continuations_routing_covers_every_turn_as_one_prompt_would(moe_dirs, held_blocks):
+    # Three turns of a group of two, each continuing its completion with "tool" tokens; the
+    # last turn's routing covers the whole conversation, as the conversation sent as one
+    # prompt is routed (exact kernels: the same experts, decoded or prefilled). With its
+    # blocks dropped under pressure, a turn recomputes its earlier positions instead.
+    llm = LLM(str(moe_dirs["qwen2_moe", 0]))
+    params = SamplingParams(n=2, max_tokens=5, ignore_eos=True, seed=7,
+                            return_routed_experts=True)
+    turn = llm.generate([PROMPTS[1]], params, hold_kv=True, use_tqdm=False)[0]
+    llm.release(turn.request_id, 0)
+    index = 1  # the group's second completion: its prompt's routing is its first's
+    for tool in ([40, 41, 42], [50, 51]):
+        if held_blocks == "dropped":
+            llm.engine.scheduler.release_held_kv()
+        one = SamplingParams(max_tokens=5, ignore_eos=True, seed=7, return_routed_experts=True)
+        turn = llm.generate([Continuation(turn.request_id, index, tool)], one, hold_kv=True,
+                            use_tqdm=False)[0]
+        index = 0
+    completion = turn.outputs[0]
+    conversation = turn.prompt_token_ids + completion.token_ids
+    whole = LLM(str(moe_dirs["qwen2_moe", 0])).generate(
+        [conversation], SamplingParams(max_tokens=1, return_routed_experts=True),
+        use_tqdm=False)[0].outputs[0].routed_experts
+    assert completion.routed_experts.shape[0] == len(conversation) - 1
+    assert torch.equal(completion.routed_experts, whole[:-1])
+    llm.release(turn.request_id)
 
 
 def test_routed_experts_come_over_the_rollouts_route(moe_dirs):

@@ -14,12 +14,13 @@ from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, SamplingParams
 from tandem.trainers.config import load_config
+from tandem.trainers.episodes import EpisodeRunner
 from tandem.trainers.policy import Policy, token_batch
 from tandem.trainers.routing import RoutingCounts, routing_rows
 from tandem.trainers.trainer import Trainer
 
 from .test_moe import PROMPTS, moe_dirs  # noqa: F401 - a fixture
-from .test_trainer import make_config
+from .test_trainer import echo_task, make_config
 
 NUM_EXPERTS = 4
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_moe_tiny.yaml"
@@ -76,6 +77,36 @@ def test_grpo_on_a_mixture_of_experts_logs_routing_agreement(moe_dirs, tmp_path,
         assert metrics["sampler_logprob_diff_max"] < 1e-4
     if exact is None:  # exact kernels: the trainer routes as the sampler did, bit for bit
         assert metrics["routing_agreement"] == 1.0 and metrics["sampler_logprob_diff_max"] == 0
+
+
+@pytest.mark.parametrize("exact", [None, False])
+def test_multi_turn_episodes_replay_the_routing_of_every_turn(moe_dirs, tmp_path, exact):  # noqa: F811
+    # The last turn's routing covers the whole episode (earlier turns' kept with their KV),
+    # tool tokens included, so the trainer routes every position as the sampler did.
+    config = make_config(moe_dirs["qwen3_moe", 0], tmp_path, target_token=7, steps=1,
+                         exact_logprobs=exact)
+    config.rollout.max_turns, config.rollout.max_tokens = 3, 4
+    config.moe.routing_replay = exact is False
+    metrics = Trainer(config, task=echo_task()).train_step()
+    assert metrics["episode_turns"] > 1 and metrics["episode_environment_tokens"] > 0
+    assert 0.9 <= metrics["routing_agreement"] <= 1.0
+    if exact is None:
+        assert metrics["routing_agreement"] == 1.0 and metrics["sampler_logprob_diff_max"] == 0
+
+
+def test_an_episodes_routing_covers_every_position_of_every_turn(moe_dirs):  # noqa: F811
+    folder = moe_dirs["qwen3_moe", 0]
+    llm, task = LLM(str(folder)), echo_task()
+    params = SamplingParams(n=2, max_tokens=4, seed=3, return_routed_experts=True)
+    runner = EpisodeRunner(llm.engine, llm.get_tokenizer(), params, max_turns=3)
+    trajectories = runner.run([task.train_example(0, 0)], task.environment)[0]
+    fresh = LLM(str(folder))
+    for trajectory in trajectories:
+        assert trajectory.num_turns > 1
+        whole = fresh.generate([trajectory.token_ids],
+                               SamplingParams(max_tokens=1, return_routed_experts=True),
+                               use_tqdm=False)[0].outputs[0].routed_experts
+        assert torch.equal(trajectory.routed_experts, whole[:-1])
 
 
 def test_routing_replay_on_a_dense_model_is_refused(llama_dir, tmp_path):

@@ -129,3 +129,14 @@ def test_a_step_scores_at_most_max_scored_tokens_prompt_positions():
     assert chunks[1] == MAX_SCORED_TOKENS and 2 not in chunks  # the second scores next step
     assert batch.num_scored_tokens == MAX_SCORED_TOKENS
     assert scored[1] in scheduler.waiting and plain in scheduler.waiting  # behind it, in order
+
+
+def test_a_recomputed_chunk_supersedes_every_chunk_recorded_from_its_start():
+    # After a preemption (and perhaps a weight update) a sequence recomputes from position
+    # 4 in chunks cut otherwise: nothing recorded from 4 on may survive.
+    seq = Sequence(0, "r", 0, list(range(20)), 20, SamplingParams(return_routed_experts=True))
+    seq.record_routing(0, b"a" * 8)
+    seq.record_routing(8, b"b" * 12)
+    seq.record_routing(4, b"c" * 16)
+    assert seq.routed_experts == {0: b"a" * 8, 4: b"c" * 16}
+    assert list(seq.routed_experts) == [0, 4]  # written in this order: the recompute last

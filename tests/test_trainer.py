@@ -47,6 +47,32 @@ def make_config(llama_dir, tmp_path, target_token: int, **overrides) -> TrainCon
     return TrainConfig(**fields)
 
 
+def echo_task():
+    """Episodes of a tool that answers each turn with what turn it saw, ending after two;
+    rewarded by the length of the model's turns."""
+    from tandem.trainers.environments import EnvStep
+    from tandem.trainers.tasks import Task
+
+    class Echo:
+        def __init__(self) -> None:
+            self.turns = 0
+
+        def reset(self, example):
+            return list(example["prompt"])
+
+        def step(self, messages):
+            self.turns += 1
+            return EnvStep([{"role": "tool", "content": f"seen {self.turns}"}],
+                           done=self.turns >= 2)
+
+    def longer(completions, **_):
+        return [float(sum(len(m["content"]) for m in c if m["role"] == "assistant"))
+                for c in completions]
+
+    return Task(lambda seed, i: {"prompt": [{"role": "user", "content": f"Say {i}."}]}, [],
+                {"longer": longer}, [("longer", 1.0)], lambda example: Echo())
+
+
 def mean_reward(history: list[dict[str, float]], steps: slice) -> float:
     return sum(m["reward"] for m in history[steps]) / len(history[steps])
 
@@ -178,30 +204,9 @@ def test_grpo_trains_on_multi_turn_episodes_masking_environment_tokens(llama_dir
                                                                        target_token):
     """Episodes of several turns: the loss and the on-policy check cover the model's tokens
     only (an environment token counted would show as a large sampler-vs-trainer gap)."""
-    from tandem.trainers.environments import EnvStep
-    from tandem.trainers.tasks import Task
-
-    class Echo:
-        def __init__(self) -> None:
-            self.turns = 0
-
-        def reset(self, example):
-            return list(example["prompt"])
-
-        def step(self, messages):
-            self.turns += 1
-            return EnvStep([{"role": "tool", "content": f"seen {self.turns}"}],
-                           done=self.turns >= 2)
-
-    def longer(completions, **_):
-        return [float(sum(len(m["content"]) for m in c if m["role"] == "assistant"))
-                for c in completions]
-
-    task = Task(lambda seed, i: {"prompt": [{"role": "user", "content": f"Say {i}."}]}, [],
-                {"longer": longer}, [("longer", 1.0)], lambda example: Echo())
     config = make_config(llama_dir, tmp_path, target_token, steps=2)
     config.rollout.max_turns, config.rollout.max_tokens = 3, 4
-    trainer = Trainer(config, task=task)
+    trainer = Trainer(config, task=echo_task())
     history = [trainer.train_step() for _ in range(2)]
     for metrics in history:
         assert metrics["episode_turns"] > 1 and metrics["episode_environment_tokens"] > 0

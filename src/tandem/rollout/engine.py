@@ -189,11 +189,8 @@ class LLMEngine:
     def _check_new_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
                             params: Seq[SamplingParams], hold_kv: bool) -> None:
         check_request_lists(request_ids, prompts, params, self.config.max_num_seqs)
-        routing = [p.return_routed_experts for p in params]
-        if any(routing):
-            check_routing(self.runner.routing, self.runner.model.config,
-                          [isinstance(prompt, Continuation)
-                           for prompt, asks in zip(prompts, routing, strict=True) if asks])
+        if any(p.return_routed_experts for p in params):
+            check_routing(self.runner.routing, self.runner.model.config)
         for request_id in request_ids:
             if request_id in self.requests:
                 raise ValueError(f"request id {request_id!r} is already in use.")

@@ -94,13 +94,13 @@ class OutputProcessor:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt,
             prompt_token_ids=list(request.prompt_token_ids),
-            outputs=[self._completion(seq, request.seqs[0]) for seq in request.seqs],
+            outputs=[self._completion(seq) for seq in request.seqs],
             finished=finished,
             weight_version=max((s.token_weight_versions[-1] for s in request.seqs
                                 if s.token_weight_versions), default=weight_version),
             prompt_logprobs=_prompt_logprobs(request))
 
-    def _completion(self, seq: Sequence, first: Sequence) -> CompletionOutput:
+    def _completion(self, seq: Sequence) -> CompletionOutput:
         params = seq.sampling_params
         wants_logprobs = params.logprobs is not None
         return CompletionOutput(
@@ -112,22 +112,21 @@ class OutputProcessor:
             weight_versions=seq.weight_versions,
             token_weight_versions=list(seq.token_weight_versions),
             sampling_thresholds=list(seq.sampling_thresholds) if params.truncates else None,
-            routed_experts=self._routed_experts(seq, first) if seq.records_routing else None)
+            routed_experts=self._routed_experts(seq) if seq.records_routing else None)
 
-    def _routed_experts(self, seq: Sequence, first: Sequence) -> torch.Tensor:
+    def _routed_experts(self, seq: Sequence) -> torch.Tensor:
         """``[positions, moe layers, top_k]``: the experts of each position of the prompt
         and completion whose forward ran (all but the last token), from the chunks ``seq``
-        computed, its prompt's from the group's first sequence where it forked from it."""
+        computed and, before ``routing_inherited``, its ``routing_parent``'s (recursively:
+        a continuation's earlier turns)."""
         layers, top_k, dtype = self.routing
         width = layers * top_k * dtype.itemsize
         rows = max(len(seq.token_ids) - 1, 0)
         buffer = bytearray(rows * width)
-        sources = [(first, seq.num_prompt_tokens)] if first is not seq else []
-        for source, end in [*sources, (seq, rows)]:
-            for start, chunk in source.routed_experts.items():
-                stop = min(start + len(chunk) // width, end, rows)
-                if stop > start:
-                    buffer[start * width:stop * width] = chunk[:(stop - start) * width]
+        for start, chunk, end in _routing_chunks(seq, rows):
+            stop = min(start + len(chunk) // width, end)
+            if stop > start:
+                buffer[start * width:stop * width] = chunk[:(stop - start) * width]
         return torch.frombuffer(buffer, dtype=dtype).view(rows, layers, top_k) if rows \
             else torch.empty(0, layers, top_k, dtype=dtype)
 
@@ -148,10 +147,17 @@ class OutputProcessor:
             token_ids, skip_special_tokens=seq.sampling_params.skip_special_tokens)
 
 
-def check_routing(routing: RoutingFormat | None, config: object,
-                  continuations: list[bool]) -> None:
-    """Refuse ``return_routed_experts`` on a model without experts, or with a
-    ``Continuation`` prompt (its earlier positions' routing is not kept).
+def _routing_chunks(seq: Sequence, end: int) -> list[tuple[int, bytes, int]]:
+    """``(start, chunk, end)`` to write in order for ``seq``'s first ``end`` positions: its
+    parent's chains first (up to what it inherited), then its own chunks."""
+    chunks = []
+    if seq.routing_parent is not None:
+        chunks = _routing_chunks(seq.routing_parent, min(end, seq.routing_inherited))
+    return chunks + [(start, chunk, end) for start, chunk in seq.routed_experts.items()]
+
+
+def check_routing(routing: RoutingFormat | None, config: object) -> None:
+    """Refuse ``return_routed_experts`` on a model without experts.
 
     Raises:
         ValueError: naming the fix.
@@ -160,10 +166,6 @@ def check_routing(routing: RoutingFormat | None, config: object,
         names = getattr(config, "architectures", None) or [type(config).__name__]
         raise ValueError(f"return_routed_experts needs a mixture-of-experts model; "
                          f"{names[0]} has no experts: leave it False.")
-    if any(continuations):
-        raise ValueError("return_routed_experts does not take a Continuation prompt yet "
-                         "(the held positions' routing is not kept): send the whole "
-                         "conversation as a new prompt.")
 
 
 def _prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from tandem.rollout import Continuation, LLMEngine, RequestOutput, SamplingParams
@@ -115,6 +116,9 @@ class Trajectory:
             ``max_tokens`` is closed by the template's end-of-turn glue and answered.
         rewards: each environment step's reward.
         metrics: summed environment counts (``tool_calls``, ``tool_errors``).
+        routed_experts: with ``return_routed_experts`` (a mixture of experts), the experts
+            of every position but the last, over all turns: the last turn's, whose
+            continuations kept the earlier turns' routing with their KV.
     """
 
     messages: list[Message]
@@ -128,6 +132,7 @@ class Trajectory:
     finish_reason: str | None = None
     rewards: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    routed_experts: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -295,6 +300,7 @@ class EpisodeRunner:
             trajectory.loss_mask += [1] * len(completion.token_ids)
             trajectory.logprobs += completion.logprobs
             trajectory.weight_versions += completion.token_weight_versions
+            trajectory.routed_experts = completion.routed_experts
             trajectory.num_turns += 1
             trajectory.messages.append(message)
             self.events.append(("turn", episode.number))

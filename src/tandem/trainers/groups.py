@@ -47,7 +47,8 @@ class Group:
         sampling_thresholds: each row's kept-set threshold per sampled token when sampling
             truncated (see ``CompletionOutput``); None otherwise.
         routed_experts: each row's experts per position and MoE layer (a mixture of
-            experts' single-turn rows; see ``CompletionOutput``); None otherwise.
+            experts; an episode's over all its turns; see ``CompletionOutput``); None
+            otherwise.
         rewards: each row's total reward, once scored.
         per_function: each reward function's values, once scored.
     """
@@ -188,8 +189,9 @@ class EpisodeSource:
 
     def __init__(self, llm: LLM, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig,
                  seed: int, make_environment: Callable[[Example], Environment]) -> None:
-        self.runner = EpisodeRunner(llm.engine, tokenizer, rollout_params(config, seed),
-                                    config.max_turns,
+        routed = llm.engine.routing_format is not None  # a mixture of experts: replayable
+        params = dataclasses.replace(rollout_params(config, seed), return_routed_experts=routed)
+        self.runner = EpisodeRunner(llm.engine, tokenizer, params, config.max_turns,
                                     config.max_total_tokens)
         self.make_environment = make_environment
         self._examples: dict[int, Example] = {}
@@ -236,7 +238,9 @@ class EpisodeSource:
             [t.messages[t.num_prompt_messages:] for t in trajectories],
             [_spread(t.logprobs, t.loss_mask[t.num_prompt_tokens:]) for t in trajectories],
             [t.loss_mask[t.num_prompt_tokens:] for t in trajectories], trajectories,
-            token_weight_versions=[list(t.weight_versions) for t in trajectories])
+            token_weight_versions=[list(t.weight_versions) for t in trajectories],
+            routed_experts=None if trajectories[0].routed_experts is None
+            else [t.routed_experts for t in trajectories])
 
 
 def _spread(logprobs: list[float], loss_mask: list[int]) -> list[float]:

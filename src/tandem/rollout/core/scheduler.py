@@ -200,6 +200,7 @@ class Scheduler:
         seq.block_table, held.block_table = held.block_table, []
         seq.block_hashes, held.block_hashes = held.block_hashes, []
         seq.num_computed_tokens = held.num_computed_tokens if seq.block_table else 0
+        seq.inherit_routing(held, seq.num_computed_tokens)
 
     def release_held_kv(self, count: int | None = None) -> bool:
         """Free the blocks of the ``count`` least recently finished held sequences (None:
@@ -300,7 +301,7 @@ class Scheduler:
         for i, scored in output.prompt_logprobs.items():
             batch.seqs[i].prompt_logprobs += scored
         for i, (start, routed) in output.routed_experts.items():
-            batch.seqs[i].routed_experts[start] = routed
+            batch.seqs[i].record_routing(start, routed)
         rows = zip(sampled, output.token_ids, output.logprobs, output.top_logprobs,
                    output.thresholds or itertools.repeat(None))
         for seq, token_id, logprob, top_logprobs, threshold in rows:
@@ -351,6 +352,7 @@ class Scheduler:
         for child in children:
             self.block_manager.fork(parent, child)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.inherit_routing(parent, parent.num_prompt_tokens)
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
         return [parent, *children]

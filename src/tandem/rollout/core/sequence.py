@@ -39,8 +39,11 @@ class Sequence:
     ``block_hashes`` are the prefix-cache hashes of its full blocks, in order;
     ``prompt_logprobs`` the prompt positions scored so far (when asked); ``routed_experts``
     (when asked, ``return_routed_experts``) the experts its computed positions were routed
-    to, by the first position of each step's chunk, as the runner encodes them (a later
-    chunk over the same positions, after a preemption, supersedes an earlier one). A sequence with
+    to, by the first position of each step's chunk, as the runner encodes them (a chunk
+    from a position on supersedes every chunk recorded from there: a recompute, after a
+    preemption); positions before ``routing_inherited`` it did not compute itself, but took
+    with their KV from ``routing_parent`` (a group's child its prompt's from the first
+    sequence, a continuation the held sequence's). A sequence with
     ``hold_kv`` keeps its blocks when it finishes (see ``held.py``); ``resume_from`` is the
     held sequence a continuation takes its blocks from when it is admitted. The first
     sequence of a group carries the others in ``pending_children`` until its prompt is
@@ -66,6 +69,8 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     routed_experts: dict[int, bytes] = field(default_factory=dict)
+    routing_parent: Sequence | None = None
+    routing_inherited: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_weight_versions: list[int] = field(default_factory=list)
@@ -116,6 +121,19 @@ class Sequence:
     def records_routing(self) -> bool:
         """True when the request asked for the experts each position was routed to."""
         return self.sampling_params.return_routed_experts
+
+    def record_routing(self, start: int, chunk: bytes) -> None:
+        """The experts of the positions from ``start`` that one step computed; chunks
+        recorded from ``start`` on before are stale (a recompute), and go."""
+        for stale in [key for key in self.routed_experts if key >= start]:
+            del self.routed_experts[stale]
+        self.routed_experts[start] = chunk
+
+    def inherit_routing(self, parent: Sequence, positions: int) -> None:
+        """Take the routing of the first ``positions`` positions from ``parent``, whose KV
+        this sequence took (when it records routing)."""
+        if self.records_routing and positions:
+            self.routing_parent, self.routing_inherited = parent, positions
 
     def append_token(self, token_id: int, logprob: float, top_logprobs: dict[int, float] | None,
                      weight_version: int, threshold: float | None = None) -> None:
