@@ -48,8 +48,8 @@ class EngineConfig:
         "saturates, never NaN) and rounded. The scales are 1.0, vLLM's default without "
         "calibrated scales, and never change: calibrating them on the first prefill would "
         "make every token's KV depend on which request came first (another order of "
-        "requests, a restart or a resumed run would store other bits). On CUDA it needs compute capability 8.9 or newer (Ada, "
-        "Hopper).")})
+        "requests, a restart or a resumed run would store other bits). On CUDA it needs "
+        "compute capability 8.9 or newer (Ada, Hopper).")})
     gpu_memory_utilization: float | None = field(default=None, metadata={"help": (
         "the fraction of device memory this engine owns in all (weights, KV pool, buffers); "
         "the KV pool gets what the rest leaves. Default 0.9 on CUDA. On CPU the pool defaults "
