@@ -35,6 +35,7 @@ from .fp8_kv import FP8, FP8_MAX
 
 MAX_SPLITS = 16
 LOG2E = 1.4426950408889634
+E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads module globals only as constexprs
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -130,7 +131,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         query.stride(0), query.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
-        BLOCK_N=32 if block_d >= 128 else 64, BLOCK_D=block_d, UPCAST=_interpreting(),
+        BLOCK_N=_decode_keys(query.dtype, block_d, k_scale is not None), BLOCK_D=block_d,
+        UPCAST=_interpreting(),
         num_warps=4)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -146,7 +148,8 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                        v_scale: torch.Tensor | None) -> None:
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1:]
-    block_m = 16 if _interpreting() else _prefill_tile(query.dtype, head_dim)
+    block_m = 16 if _interpreting() else _prefill_tile(query.dtype, head_dim,
+                                                       k_scale is not None)
     grid = (num_prefills, num_heads, triton.cdiv(metadata.max_query_len, block_m))
     _prefill_kernel[grid](
         query, k_cache, v_cache, k_scale, v_scale, metadata.block_tables, metadata.context_lens,
@@ -186,7 +189,7 @@ def _round_to_e4m3(x, scale):
     (ties to even), as float32: torch's conversion (c10's ``fp8e4m3fn_from_fp32_value``)
     written out. Triton's own cast rounds through float16 on sm_89 and wrongly in the
     interpreter; of an e4m3 value it is exact everywhere."""
-    y = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    y = tl.clamp(tl.math.div_rn(x, scale), -E4M3_MAX, E4M3_MAX)
     bits = y.to(tl.int32, bitcast=True)
     magnitude = bits & 0x7FFFFFFF
     # Normal (from 2^-6): keep 3 of the 23 mantissa bits, rounding the 20 dropped to even.
@@ -344,13 +347,20 @@ def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _prefill_tile(dtype: torch.dtype, head_dim: int) -> int:
+def _prefill_tile(dtype: torch.dtype, head_dim: int, fp8: bool) -> int:
     """The prefill's query and key tile: 64 in 16-bit types; in float32, whose products run
     on FMA units with 32-bit operands, tiles small enough that ptxas keeps them in registers
-    (64 x 64 spilled a 6 KB stack at head dim 64)."""
+    (64 x 64 spilled a 6 KB stack at head dim 64; 32 x 32 over an FP8 pool, converted in
+    registers, 640 bytes)."""
     if dtype != torch.float32:
         return 64
-    return 32 if head_dim <= 64 else 16
+    return 32 if head_dim <= 64 and not fp8 else 16
+
+
+def _decode_keys(dtype: torch.dtype, block_d: int, fp8: bool) -> int:
+    """Keys the decode kernel reads at a time: 32 for heads of 128 and more, and for float32
+    over an FP8 pool (64 spilled 284 bytes at head dim 64), else 64."""
+    return 32 if block_d >= 128 or (fp8 and dtype == torch.float32) else 64
 
 
 def _pow2(n: int) -> int:
