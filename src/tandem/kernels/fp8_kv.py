@@ -12,11 +12,12 @@ The scales are 1.0, vLLM's default where a checkpoint carries none, and fixed fo
 engine's life. Calibrating them from the first prefill would make every later token's KV
 depend on which request happened to come first: a resumed or repeated run, another order of
 requests, or another SPMD rank's share would store other bits. With fixed scales a token's
-KV depends on its own K and V only, so exact log-probs stay exact and seeded runs stay
-reproducible. e4m3 keeps 3 mantissa bits over 2^-6..448 (subnormals down to 2^-9), whatever
-the scale, so the scale only decides what saturates and what underflows: on SmolLM2-135M
-the largest |K| of any layer and KV head is 26 and |V| 11, far from 448, and 1% of K and
-3% of V fall below 2^-6 (BENCHMARKS.md measures the accuracy).
+KV depends on its own K and V only, so a token's log-prob never depends on what the engine
+served before, and seeded runs repeat. e4m3 keeps 3 mantissa bits over 2^-6..448
+(subnormals down to 2^-9) whatever the scale, so the scale only decides what saturates and
+what underflows: on SmolLM2-135M the largest |K| of any layer and KV head is 26 and |V| 11,
+far from 448, and 1% of K and 3% of V fall below 2^-6. Scales calibrated on the very
+prompts scored gained little there (BENCHMARKS.md, ``benchmarks/kv_cache_fp8.py``).
 """
 
 from __future__ import annotations
