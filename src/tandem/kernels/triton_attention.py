@@ -127,13 +127,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, partial, lse,
-        scale * LOG2E,
-        query.stride(0), query.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
-        *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
+        scale * LOG2E, query.stride(0), query.stride(1), *k_cache.stride()[:3],
+        block_tables.stride(0), *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
         BLOCK_N=_decode_keys(query.dtype, block_d, k_scale is not None), BLOCK_D=block_d,
-        UPCAST=_interpreting(),
-        num_warps=4)
+        UPCAST=_interpreting(), num_warps=4)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             partial, lse, output, *partial.stride()[:3], *lse.stride()[:2],
