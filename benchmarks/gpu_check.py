@@ -38,6 +38,11 @@ engines still alive):
   against the engine's sampled log-probs (target: a gap of exactly 0).
 - ``moe``: the Triton grouped experts at Qwen3-30B-A3B's layer shape (issue 41): error
   against float64, a token's bits alone and among others, seconds against the torch path.
+- ``fp8_kv``: the FP8 KV cache (issue 42): the store's bits against ``fp8_kv.quantize``,
+  attention over an FP8 pool against float64 attention over its dequantized values (each
+  case and dtype of ``kernels``), decode attention's bandwidth over an FP8 pool against a
+  bfloat16 one at batch 256 and context 4k, and an FP8 engine (decode graphs, a group)
+  along the unquantized engine's greedy tokens (skipped below sm_89).
 - ``resources``: registers, spills and shared memory of every Triton kernel compiled here.
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
@@ -86,6 +91,7 @@ from gpu_check_engine import (  # noqa: E402
 from gpu_check_exact import check_exact  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     check_bandwidth,
+    check_fp8_kv,
     check_kernels,
     check_long_attention,
     check_resources,
@@ -186,6 +192,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "structured": (15, lambda: check_structured(rec, work)),
             "exact": (25, lambda: check_exact(rec, folder)),
             "moe": (10, lambda: check_moe(rec)),
+            "fp8_kv": (30, lambda: check_fp8_kv(rec, shape, folder)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
             "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}

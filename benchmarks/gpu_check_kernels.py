@@ -1,18 +1,23 @@
 """The GPU check's kernel sections: each Triton kernel against its float64 torch reference,
 decode attention bandwidth against the device copy, prefill attention against torch's
-flash attention on the Qwen3-8B shape, and the compiled kernels' registers and spills."""
+flash attention on the Qwen3-8B shape, the FP8 KV cache (its store's bits, attention over an
+FP8 pool against float64, its decode bandwidth, an engine against the unquantized one), and
+the compiled kernels' registers and spills."""
 
 from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 
 import torch
-from gpu_check_common import QWEN3_8B, Recorder, dtype_name, seconds_per_call
+from gpu_check_common import QWEN3_8B, Recorder, collect, dtype_name, make_llm, seconds_per_call
 from transformers import Qwen3Config
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, pool_layout, select_kernels
+from tandem.kernels.fp8_kv import FP8, MIN_CUDA_CAPABILITY, quantize
 from tandem.kernels.testing import TOLERANCE, relative_error
+from tandem.rollout import SamplingParams
 from tandem.rollout.core.block_manager import num_blocks_for
 from tandem.rollout.worker.models.rotary import RotaryEmbedding
 
@@ -163,20 +168,27 @@ def _copy_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 
 def decode_bandwidth(rec: Recorder, section: str, shape: dict, batch: int, context: int,
-                     copy: float) -> None:
-    """Record paged decode attention's K/V bytes read per second, against ``copy``."""
+                     copy: float, fp8: bool = False) -> float:
+    """Record paged decode attention's K/V bytes read per second, against ``copy``, over a
+    bfloat16 pool or (``fp8``) an FP8 one; returns the seconds per call."""
     from tandem.kernels.triton_attention import paged_decode_attention
 
     query, k_cache, v_cache, metadata = paged_inputs(
         shape, [context] * batch, [1] * batch, batch, torch.bfloat16, rec.device)
+    scales = {}
+    if fp8:
+        (k_cache, k_scale, _), (v_cache, v_scale, _) = (fp8_pool(cache) for cache in
+                                                        (k_cache, v_cache))
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     decode = functools.partial(paged_decode_attention, query, k_cache, v_cache,
                                metadata.block_tables, metadata.context_lens,
-                               shape["head_dim"] ** -0.5)
+                               shape["head_dim"] ** -0.5, **scales)
     seconds = seconds_per_call(decode, 3 if rec.smoke else 20)
     kv_bytes = 2 * batch * context * k_cache[0, 0].numel() * k_cache.element_size()
-    rec.record(section, "paged decode attention", batch=batch, context=context,
-               gb_s=round(kv_bytes / seconds / 1e9, 1),
+    rec.record(section, "paged decode attention" + (" (FP8 pool)" if fp8 else ""),
+               batch=batch, context=context, gb_s=round(kv_bytes / seconds / 1e9, 1),
                of_copy=round(kv_bytes / seconds / copy, 3), microseconds=seconds * 1e6)
+    return seconds
 
 
 def check_bandwidth(rec: Recorder, shape: dict) -> None:
@@ -185,6 +197,110 @@ def check_bandwidth(rec: Recorder, shape: dict) -> None:
     rec.record("bandwidth", "device copy", gb_s=round(copy / 1e9, 1))
     for context in [64] if rec.smoke else [1024, 4096]:
         decode_bandwidth(rec, "bandwidth", shape, 4 if rec.smoke else 256, context, copy)
+
+
+def fp8_pool(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cache`` ``[blocks, block_size, kv_heads, head_dim]`` (head-major, as the engine's)
+    stored in FP8 by a random scale per KV head, laid out alike: the pool, its scales, and
+    the values it holds dequantized in float64 (what the kernels must attend over)."""
+    generator = torch.Generator(device=cache.device).manual_seed(2)
+    scale = torch.rand(cache.shape[2], device=cache.device, generator=generator) + 0.5
+    stored = torch.empty_like(cache, dtype=FP8)  # the same strides: head-major
+    stored.flatten(0, 1).copy_(quantize(cache.flatten(0, 1), scale))
+    return stored, scale, stored.double() * scale.double()[:, None]
+
+
+def check_fp8_kv(rec: Recorder, shape: dict, folder: Path) -> None:
+    """The FP8 KV cache (``kv_cache_dtype="fp8"``): Triton's store against
+    ``fp8_kv.quantize`` bit for bit; attention (decodes, the split decode, prefills, the
+    batch-invariant path) over an FP8 pool against float64 attention over the values it
+    holds; decode attention's bandwidth over an FP8 pool against a bfloat16 one (batch 256,
+    context 4k: half the bytes); an engine's log-probs against the unquantized engine's."""
+    if rec.device.type == "cuda" and torch.cuda.get_device_capability() < MIN_CUDA_CAPABILITY:
+        rec.record("fp8_kv", "skipped", reason="Triton converts float8_e4m3fn from sm_89 on")
+        return
+    kernels = {"paged attention": select_kernels("triton", rec.device),
+               "batch-invariant attention": select_kernels("triton", rec.device, exact=True)}
+    check_fp8_store(rec, kernels["paged attention"], shape)
+    scale = shape["head_dim"] ** -0.5
+    for name, (context_lens, query_lens, num_decodes) in attention_cases(rec.smoke).items():
+        for dtype in TOLERANCE:
+            query, k_cache, v_cache, metadata = paged_inputs(
+                shape, context_lens, query_lens, num_decodes, dtype, rec.device)
+            (k_pool, k_scale, k_values), (v_pool, v_scale, v_values) = (
+                fp8_pool(cache) for cache in (k_cache, v_cache))
+            reference = TORCH_OPS.paged_attention(query.double(), k_values, v_values, metadata,
+                                                  scale)
+            for kernel, ops in kernels.items():
+                out = ops.paged_attention(query, k_pool, v_pool, metadata, scale, k_scale,
+                                          v_scale)
+                error = relative_error(out, reference)
+                rec.record("fp8_kv", f"{kernel} {name}", dtype=dtype_name(dtype),
+                           rel_error=error, ok=error < TOLERANCE[dtype])
+    copy = copy_bandwidth(rec)
+    batch, context = (4, 64) if rec.smoke else (256, 4096)
+    bf16 = decode_bandwidth(rec, "fp8_kv", shape, batch, context, copy)
+    fp8 = decode_bandwidth(rec, "fp8_kv", shape, batch, context, copy, fp8=True)
+    rec.record("fp8_kv", "decode attention, FP8 pool over bfloat16", batch=batch,
+               context=context, speedup=round(bf16 / fp8, 3))
+    collect()
+    check_fp8_engine(rec, folder)
+
+
+def check_fp8_store(rec: Recorder, triton_ops, shape: dict) -> None:
+    """Triton's store into an FP8 pool: every written slot ``quantize``'s bits, values
+    across e4m3's range (beyond it saturated), padding slots (-1) skipped."""
+    device, kv_heads, head_dim = rec.device, shape["num_key_value_heads"], shape["head_dim"]
+    tokens = 16 if rec.smoke else 4096
+    generator = torch.Generator(device=device).manual_seed(3)
+    exponents = torch.randint(-14, 12, (2, tokens, kv_heads, head_dim), device=device,
+                              generator=generator)
+    key, value = ((torch.randn(tokens, kv_heads, head_dim, device=device, generator=generator)
+                   * torch.exp2(exponents[i].float())).to(torch.bfloat16) for i in range(2))
+    scales = [torch.rand(kv_heads, device=device, generator=generator) + 0.5 for _ in range(2)]
+    k_cache = torch.zeros(tokens // 8 + 4, 16, kv_heads, head_dim, dtype=FP8, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0] * 16, device=device)[:tokens]
+    slots[::7] = -1
+    triton_ops.store_kv(key, value, k_cache, v_cache, slots, *scales)
+    written = slots >= 0
+    exact = all(torch.equal(cache.view(-1, kv_heads, head_dim)[slots[written]].view(torch.uint8),
+                            quantize(rows[written], scale).view(torch.uint8))
+                for cache, rows, scale in ((k_cache, key, scales[0]), (v_cache, value, scales[1])))
+    rec.record("fp8_kv", "store_kv into FP8 (quantize's bits, -1 skipped)",
+               rel_error=0.0 if exact else float("inf"), ok=exact)
+
+
+def check_fp8_engine(rec: Recorder, folder: Path) -> None:
+    """An FP8 engine (its decode graphs captured over the FP8 pool, a group of 2 sharing its
+    prompt) along the unquantized engine's greedy completions: the share of positions where
+    its most likely token is the same, and the mean |difference| of the log-probs. The
+    check's random-weight model makes these figures of the plumbing, not of accuracy
+    (benchmarks/kv_cache_fp8.py measures that on a trained model)."""
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(20 + 30 * i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0, max_tokens=8 if rec.smoke else 32, ignore_eos=True,
+                            logprobs=0)
+    reference = make_llm(rec, folder)
+    completions = [o.outputs[0] for o in reference.generate(prompts, greedy, use_tqdm=False)]
+    del reference
+    collect()
+    llm = make_llm(rec, folder, kv_cache_dtype="fp8")
+    group = llm.generate(prompts[:1], SamplingParams(n=2, max_tokens=8, seed=0), use_tqdm=False)
+    scored = llm.generate([p + c.token_ids for p, c in zip(prompts, completions)],
+                          SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    agree, differences = [], []
+    for prompt, completion, output in zip(prompts, completions, scored):
+        for j, (token, logprob) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            entry = output.prompt_logprobs[len(prompt) + j]
+            agree.append(max(entry, key=entry.get) == token)
+            differences.append(abs(entry[token] - logprob))
+    mean_difference = sum(differences) / len(differences)
+    rec.record("fp8_kv", "engine along the unquantized engine's greedy tokens",
+               top1_agreement=round(sum(agree) / len(agree), 3),
+               mean_abs_logprob_diff=round(mean_difference, 4),
+               decode_graphs=llm.stats()["num_decode_graphs"],
+               cow_copies=llm.stats()["cow_copies"],
+               ok=math.isfinite(mean_difference) and len(group[0].outputs) == 2)
 
 
 def check_long_attention(rec: Recorder) -> None:

@@ -1,4 +1,5 @@
-"""Paged attention kernels, both backends, against attention from its definition in float64."""
+"""Paged attention kernels, every backend, against attention from its definition in float64;
+over an FP8 pool, against float64 attention over the values it holds, dequantized."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from tandem.kernels import TORCH_OPS, AttentionMetadata, CascadeLayout, block_runs, pool_layout
+from tandem.kernels.fp8_kv import FP8_MAX, quantize
 from tandem.kernels.testing import TOLERANCE, kernel_backends, relative_error
 from tandem.rollout.core.block_manager import num_blocks_for
 
@@ -173,3 +175,65 @@ def test_store_kv_writes_each_slot_and_skips_padding(backend, dtype):
     expected_v.view(-1, 3, HEAD_DIM)[slot_mapping[written]] = value[written]
     BACKENDS[backend].store_kv(key, value, k_cache, v_cache, slot_mapping)
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def fp8_pool(cache: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cache`` ``[blocks, block_size, kv_heads, head_dim]`` stored in FP8 by ``scale``, and
+    what it holds, dequantized in float64 (the values every kernel must attend over)."""
+    stored = quantize(cache.flatten(0, 1), scale).view(cache.shape)
+    return stored, stored.double() * scale.double()[:, None]
+
+
+def fp8_batch(decode_lens, prefills, num_kv_heads, group, dtype, seed=0):
+    """``paged_batch`` with its pool stored in FP8 (head-major, as the engine's) by scales
+    that differ per KV head, and its float64 dequantized values."""
+    query, k_cache, v_cache, metadata = paged_batch(decode_lens, prefills, num_kv_heads, group,
+                                                    dtype, seed)
+    generator = torch.Generator().manual_seed(seed + 100)
+    k_scale, v_scale = (torch.rand(num_kv_heads, generator=generator) + 0.25 for _ in range(2))
+    # Keys spread over e4m3's range, a few beyond 448 (saturated), some below 2^-6.
+    k_cache = k_cache * torch.exp2(torch.randint(-8, 9, k_cache.shape, generator=generator))
+    (k_pool, k_values), (v_pool, v_values) = fp8_pool(k_cache, k_scale), fp8_pool(v_cache, v_scale)
+    return query, head_major(k_pool), head_major(v_pool), (k_scale, v_scale), metadata, \
+        k_values, v_values
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 3), (1, 8)])
+def test_an_fp8_pool_is_attended_as_float64_attends_its_dequantized_values(
+        backend, dtype, num_kv_heads, group):
+    query, k_pool, v_pool, scales, metadata, k_values, v_values = fp8_batch(
+        [1, 16, 17], [(19, 19), (5, 37), (32, 48)], num_kv_heads, group, dtype)
+    assert (k_values.abs() == FP8_MAX * scales[0].double()[:, None]).any()  # saturated
+    reference = float64_attention(query, k_values, v_values, metadata, 0.125)
+    out = BACKENDS[backend].paged_attention(query, k_pool, v_pool, metadata, 0.125, *scales)
+    assert out.dtype == dtype
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_the_split_decode_and_batch_invariant_attention_read_an_fp8_pool(num_splits):
+    from tandem.kernels.triton_attention import batch_invariant_attention, paged_decode_attention
+
+    query, k_pool, v_pool, scales, metadata, k_values, v_values = fp8_batch(
+        [1, 64, 150], [(5, 37)], 2, 3, torch.float32, seed=1)
+    reference = float64_attention(query, k_values, v_values, metadata, 0.2)
+    decodes = paged_decode_attention(query[:3], k_pool, v_pool, metadata.block_tables[:3],
+                                     metadata.context_lens[:3], 0.2, num_splits=num_splits,
+                                     k_scale=scales[0], v_scale=scales[1])
+    assert relative_error(decodes, reference[:3]) < TOLERANCE[torch.float32]
+    every = batch_invariant_attention(query, k_pool, v_pool, metadata, 0.2, *scales)
+    assert relative_error(every, reference) < TOLERANCE[torch.float32]
+
+
+def test_the_cascade_reads_an_fp8_pool():
+    query, k_cache, v_cache, metadata, layout = cascade_batch(torch.float32)
+    scales = torch.tensor([0.5, 2.0]), torch.tensor([0.25, 1.5])
+    (k_pool, k_values), (v_pool, v_values) = (fp8_pool(cache, scale) for cache, scale in
+                                              zip((k_cache, v_cache), scales))
+    reference = float64_attention(query, k_values, v_values, metadata, 0.125)
+    metadata.cascade = layout
+    out = TORCH_OPS.paged_attention(query, head_major(k_pool), head_major(v_pool), metadata,
+                                    0.125, *scales)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]

@@ -96,3 +96,17 @@ def test_serve_chunks_prefill_by_1024_tokens_on_cpu_unless_told():
     assert EngineConfig(model="m", device="cpu").max_num_batched_tokens == 4096
     told = parser.parse_args(["serve", "m", "--device", "cpu", "--max-num-batched-tokens", "512"])
     assert engine_config(told).max_num_batched_tokens == 512
+
+
+def test_generate_and_serve_take_the_kv_cache_dtype(llama_dir, capsys):
+    parser = build_parser()
+    served = engine_config(parser.parse_args(["serve", "m", "--kv-cache-dtype", "fp8"]))
+    assert served.kv_cache_dtype == "fp8"
+    assert engine_config(parser.parse_args(["serve", "m"])).kv_cache_dtype == "auto"
+    status = main(["generate", "--model", str(llama_dir), "--prompt", "What is 2+3?",
+                   "--max-tokens", "4", "--kv-cache-dtype", "fp8"])
+    assert status == 0 and "tok/s" in capsys.readouterr().out
+    assert main(["generate", "--model", str(llama_dir), "--prompt", "x",
+                 "--kv-cache-dtype", "fp16"]) == 2
+    assert "kv_cache_dtype='fp16' is invalid: use one of 'auto', 'fp8'" in \
+        capsys.readouterr().err

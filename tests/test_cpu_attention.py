@@ -1,8 +1,11 @@
 """The compiled CPU decode attention against attention from its definition in float64, on
-the inputs the engine gives it: strided query views, a head-major pool, long contexts; and
-against itself: a token's bits do not depend on how its step computes it."""
+the inputs the engine gives it: strided query views, a head-major pool (in the model's dtype
+or FP8), long contexts; and against itself: a token's bits do not depend on how its step
+computes it."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from hypothesis import strategies as st
 from tandem.kernels import AttentionMetadata, cpu_attention
 from tandem.kernels.testing import TOLERANCE, relative_error
 
-from .test_attention import float64_attention, head_major, paged_batch
+from .test_attention import float64_attention, fp8_batch, fp8_pool, head_major, paged_batch
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -65,6 +68,23 @@ def test_prefill_chunks_match_float64_beside_decodes(dtype, num_kv_heads, group,
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 40)])
+def test_an_fp8_pool_matches_float64_of_its_values_with_a_strided_query(dtype, num_kv_heads,
+                                                                       group, head_dim):
+    query, k_pool, v_pool, scales, metadata, k_values, v_values = fp8_batch(
+        [17, 1, 300], [(1, 1), (70, 70), (3, 9), (45, 300)], num_kv_heads, group, dtype,
+        seed=7)
+    wide = torch.randn(query.shape[0], query.shape[1] + 1, query.shape[2]).to(dtype)
+    wide[:, 1:] = query
+    query = wide[:, 1:]
+    assert cpu_attention.supports(query, k_pool) and not query.is_contiguous()
+    out = cpu_attention.paged_attention(query, k_pool, v_pool, metadata, 0.125, *scales)
+    reference = float64_attention(query, k_values, v_values, metadata, 0.125)
+    assert out.dtype == dtype
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
 def test_half_precision_and_mixed_dtypes_take_the_reference():
     query, k_cache, v_cache, metadata = paged_batch([5, 40], [(3, 9)], 2, 2, torch.float16)
     assert not cpu_attention.supports(query, k_cache)
@@ -74,13 +94,13 @@ def test_half_precision_and_mixed_dtypes_take_the_reference():
     assert not cpu_attention.supports(query.float(), k_cache)
 
 
-def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125):
+def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125, scales=()):
     """The attention of one sequence's query tokens (``query`` ``[L, heads, head_dim]``, its
     keys in ``k_cache`` by ``block_table``), run as ``steps``: a list of steps, each a list
     of ``(first, count)`` chunks of that sequence's tokens (count 1 after the first chunk of
     a step is a decode only when it comes first), each chunk with random decodes of other
-    contexts beside it. Returns the ``[L, heads, head_dim]`` outputs, each token's from the
-    step that computed it."""
+    contexts beside it; ``scales``: an FP8 pool's. Returns the ``[L, heads, head_dim]``
+    outputs, each token's from the step that computed it."""
     out = torch.empty_like(query)
     for first, count, decode in steps:
         others = 3
@@ -100,17 +120,18 @@ def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125):
         metadata = AttentionMetadata(torch.empty(0, dtype=torch.long), tables[order],
                                      torch.tensor(lens)[order], starts, num_decodes,
                                      max_query_len=count)
-        result = cpu_attention.paged_attention(queries, k_cache, v_cache, metadata, scale)
+        result = cpu_attention.paged_attention(queries, k_cache, v_cache, metadata, scale,
+                                               *scales)
         out[first:first + count] = result[:count] if decode else result[others:]
     return out
 
 
 @settings(max_examples=25, deadline=None)
 @given(length=st.integers(1, 90), cuts=st.lists(st.integers(1, 89), max_size=4),
-       decoded_tail=st.integers(0, 12), bf16=st.booleans(),
+       decoded_tail=st.integers(0, 12), bf16=st.booleans(), fp8=st.booleans(),
        shape=st.sampled_from([(3, 3, 64), (2, 1, 40), (1, 8, 128)]))
 def test_a_token_has_the_same_bits_decoded_or_prefilled_in_any_chunk(length, cuts,
-                                                                      decoded_tail, bf16,
+                                                                      decoded_tail, bf16, fp8,
                                                                       shape):
     # Exact log-probs rest on this: a token's attention is bitwise the same whether its
     # step decodes it, prefills it inside one prompt-long chunk, or inside any chunk after
@@ -124,14 +145,20 @@ def test_a_token_has_the_same_bits_decoded_or_prefilled_in_any_chunk(length, cut
                                     generator=generator).to(dtype) for _ in range(2))
     query = torch.randn(length, num_kv_heads * group, head_dim, generator=generator).to(dtype)
     block_table = torch.randperm(num_blocks, generator=generator)
-    whole = attend_positions(query, k_cache, v_cache, block_table, [(0, length, False)])
+    scales = ()
+    if fp8:  # an FP8 pool, each KV head with its own scale
+        scales = tuple(torch.rand(num_kv_heads, generator=generator) + 0.5 for _ in range(2))
+        k_cache, v_cache = (fp8_pool(cache, scale)[0] for cache, scale in
+                            zip((k_cache, v_cache), scales))
+    attend = functools.partial(attend_positions, query, k_cache, v_cache, block_table,
+                               scales=scales)
+    whole = attend([(0, length, False)])
     bounds = sorted({0, *(c for c in cuts if c < length), length})
     prefill_end = max(1, length - decoded_tail)
     chunks = [(a, min(b, prefill_end) - a, False) for a, b in zip(bounds, bounds[1:])
               if a < prefill_end]
     decodes = [(t, 1, True) for t in range(prefill_end, length)]
-    chunked = attend_positions(query, k_cache, v_cache, block_table, chunks + decodes)
-    every_decode = attend_positions(query, k_cache, v_cache, block_table,
-                                    [(t, 1, True) for t in range(length)])
+    chunked = attend(chunks + decodes)
+    every_decode = attend([(t, 1, True) for t in range(length)])
     assert torch.equal(chunked, whole)
     assert torch.equal(every_decode, whole)

@@ -1,5 +1,6 @@
 """Held completions (``hold_kv``) continued token in, token out: only the new tokens are
-computed, the result equals a fresh engine prefilling the whole conversation, and held KV
+computed, the result equals a fresh engine prefilling the whole conversation (with an FP8
+pool too), and held KV
 gives way under memory pressure and across weight updates without leaking a block."""
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def prefill_tokens(llm: LLM) -> int:
     return llm.stats()["prefill_tokens"]
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_each_turn_computes_only_its_new_tokens_and_equals_a_fresh_prefill(llama_dir,
-                                                                           reference):
-    llm = LLM(str(llama_dir))
+                                                                           kv_cache_dtype):
+    llm = LLM(str(llama_dir), kv_cache_dtype=kv_cache_dtype)
+    reference = LLM(str(llama_dir), enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     output = llm.generate([PROMPT], GREEDY, use_tqdm=False, hold_kv=True)[0]
     conversation = PROMPT + output.outputs[0].token_ids
     assert llm.stats()["held_sequences"] == 1 and llm.stats()["kv_blocks_used"] > 0

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig, LlamaConfig
 
+from tandem.kernels.fp8_kv import FP8
 from tandem.rollout import engine as engine_module
 from tandem.rollout.config import EngineConfig, WorkerConfig
 from tandem.rollout.core.block_manager import num_blocks_for
@@ -167,15 +168,29 @@ def test_pool_smaller_than_one_max_model_len_sequence_is_refused_naming_the_opti
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: head_dim beyond hidden / heads
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_block_bytes_are_the_bytes_per_block_of_the_pool_the_runner_allocates(model_dir, kind,
-                                                                               dtype):
+                                                                               dtype,
+                                                                               kv_cache_dtype):
     folder = model_dir(kind)
     hf_config = AutoConfig.from_pretrained(folder)
     config = WorkerConfig(str(folder), str(dtype).removeprefix("torch."), "cpu",
-                          max_model_len=64, block_size=BLOCK_SIZE, eos_token_ids=(1,))
+                          max_model_len=64, block_size=BLOCK_SIZE, eos_token_ids=(1,),
+                          kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(config, hf_config)
     runner.allocate_kv_cache(7)
-    assert runner.kv_cache_bytes() == 7 * kv_block_bytes(hf_config, BLOCK_SIZE, dtype)
+    kv_dtype = FP8 if kv_cache_dtype == "fp8" else dtype
+    assert runner.kv_cache.dtype == kv_dtype
+    assert runner.kv_cache_bytes() == 7 * kv_block_bytes(hf_config, BLOCK_SIZE, kv_dtype)
+
+
+def test_the_same_bytes_hold_twice_bfloat16s_blocks_and_four_times_float32s_in_fp8():
+    blocks = {dtype: size_kv_cache(cpu_config(kv_cache_memory_bytes=GIB), CONFIG, dtype,
+                                   max_model_len=64, weight_bytes=0, graph_sizes=[]).num_blocks
+              for dtype in (torch.float32, torch.bfloat16, FP8)}
+    assert blocks[FP8] == 2 * blocks[torch.bfloat16] == 4 * blocks[torch.float32]
+    # one byte an element: layers x K and V x KV heads x head size x block size
+    assert kv_block_bytes(CONFIG, BLOCK_SIZE, FP8) == 2 * 2 * 2 * 16 * BLOCK_SIZE
 
 
 @contextmanager

@@ -107,6 +107,15 @@ def greedy(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
+def test_an_fp8_pool_under_tp_equals_tp1_each_rank_holding_its_heads_scales(model_dir):
+    folder = str(model_dir("llama"))
+    single = LLM(folder, kv_cache_dtype="fp8", **OPTIONS)
+    llm = LLM(folder, kv_cache_dtype="fp8", tensor_parallel_size=2, **OPTIONS)
+    assert single.engine.runner.kv_scales.shape == (2, 2, 2)  # K and V, layers, KV heads
+    assert llm.engine.runner.kv_scales.shape == (2, 2, 1)  # the driver's one KV head
+    assert greedy(llm) == greedy(single)
+
+
 @pytest.mark.parametrize("kind", ["llama", "one_kv_head"])
 def test_a_full_update_under_tp_equals_a_fresh_tp_engine(kind, model_dir, one_kv_head_dir,
                                                          tmp_path):

@@ -21,12 +21,13 @@ def test_overrides_replace_recipe_fields_with_yaml_values(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("steps: 3\noptim: {lr: 1e-5}\nrollout: {num_generations: 4}\n")
     config = load_config(recipe, ["steps=7", "lora.enabled=true", "optim.betas=[0.9, 0.95]",
-                                  "rollout.engine={num_kv_blocks: 64}", "rewards=[correct]"])
+                                  "rollout.engine={num_kv_blocks: 64, kv_cache_dtype: fp8}",
+                                  "rewards=[correct]"])
     assert config.steps == 7 and config.lora.enabled
     assert config.optim.lr == 1e-5 and isinstance(config.optim.lr, float)
     assert config.optim.betas == (0.9, 0.95)
     assert config.rollout.num_generations == 4
-    assert config.rollout.engine == {"num_kv_blocks": 64}
+    assert config.rollout.engine == {"num_kv_blocks": 64, "kv_cache_dtype": "fp8"}
     assert [r.name for r in config.rewards] == ["correct"]
 
 
@@ -42,6 +43,8 @@ def test_overrides_replace_recipe_fields_with_yaml_values(tmp_path):
     (["rollout.engine={kv_blocks: 8}"],
      r"rollout.engine.kv_blocks \(did you mean rollout.engine.num_kv_blocks\?\): valid "
      r"options are dtype"),
+    (["rollout.engine={kv_cache_dtype: int8}"],
+     "kv_cache_dtype='int8' is invalid: use one of 'auto', 'fp8', 'fp8_e4m3'"),
 ])
 def test_bad_fields_are_refused_naming_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -12,7 +12,8 @@ the launchers themselves, so the constexprs (block sizes), pointer dtypes and ``
 compiled are exactly what the launchers pass, for head dims 16 and 32 (the tiny test models,
 float32), 64 (SmolLM2, in float32, bfloat16 and float16) and 128 (Qwen3-0.6B and Qwen3-8B in
 bfloat16, Llama 3 8B in float16), with KV blocks of 16 tokens (the default) and, for
-Qwen3-8B, also of 32.
+Qwen3-8B, also of 32; and with an FP8 KV pool (``kv_cache_dtype="fp8"``) for sm_90 only,
+Triton converting float8_e4m3fn from sm_89 on.
 
 Registers per thread, spill stores and loads and the stack frame of each cubin are ptxas's,
 from its verbose log for the very cubin Triton built: what Triton's ``n_regs`` and
@@ -122,3 +123,18 @@ def test_no_kernel_spills(compiled):
     spilling = [record for record in compiled["compiled"]
                 if record["error"] is None and _spills(record)]
     assert not spilling, f"kernels that spill:\n{_resources(spilling)}"
+
+
+def test_the_fp8_kv_kernels_compile_for_sm90_and_triton_still_refuses_sm80(compiled):
+    # The engine refuses an FP8 pool below sm_89 (fp8_kv.MIN_CUDA_CAPABILITY) because of the
+    # second assertion: when a Triton converts float8_e4m3fn on sm_80, it fails, and the
+    # refusal can go.
+    fp8 = [record for record in compiled["compiled"]
+           if record["pointers"].get("k_cache") == "*fp8e4nv"]
+    assert {record["kernel"] for record in fp8} == {"_store_kv_kernel", "_decode_kernel",
+                                                    "_prefill_kernel"}
+    assert {record["target"] for record in fp8} == {"sm_90"}
+    assert all(record["pointers"]["k_scale"] == "*fp32" for record in fp8)
+    assert {record["pointers"]["query"] for record in fp8
+            if record["kernel"] != "_store_kv_kernel"} == {"*bf16", "*fp16", "*fp32"}
+    assert "fp8e4nv not supported in this architecture" in compiled["fp8_on_sm80"]

@@ -17,10 +17,16 @@ the binary the engine would load. (Triton's own ``n_regs`` and ``n_spills`` come
 driver when it loads the cubin, so they need a device; its ``TRITON_DUMP_PTXAS_LOG=1``
 prints the log to stdout, unattributed when kernels compile in parallel.)
 
+The FP8 KV cache's kernels (a ``float8_e4m3fn`` pool with its scales) are compiled for sm_90
+only: Triton 3.6 converts float8_e4m3fn from sm_89 on, and the engine refuses an FP8 pool
+below (``fp8_kv.MIN_CUDA_CAPABILITY``). One FP8 store is also compiled for sm_80, to record
+that Triton still refuses it there.
+
 Output: ``{"compiled": [{kernel, target, geometry, constexprs, pointers, shared, registers,
 spill_stores, spill_loads, stack_frame, error}], "unlaunched": [jit functions neither
-launched nor called by a launched kernel]}``; sizes in bytes, registers per thread, the
-figures None where ``error`` says why.
+launched nor called by a launched kernel], "fp8_on_sm80": the error of an FP8 store compiled
+for sm_80, or None}``; sizes in bytes, registers per thread, the figures None where
+``error`` says why.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from tandem.kernels import (
     triton_linear,
     triton_moe,
 )
+from tandem.kernels.fp8_kv import FP8
 
 TARGETS = {"sm_80": GPUTarget("cuda", 80, 32), "sm_90": GPUTarget("cuda", 90, 32)}
 KERNEL_MODULES = (triton_attention, triton_layers, triton_linear, triton_moe)
@@ -79,6 +86,12 @@ class Geometry:
     dtype: torch.dtype
     qk_norm: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
+    fp8_kv: bool = False  # a float8_e4m3fn pool (kv_cache_dtype="fp8"), compiled for sm_90 only
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The targets its launches compile for."""
+        return ("sm_90",) if self.fp8_kv else tuple(TARGETS)
 
 
 # tests/conftest.py's SMALL (head_dim 16; its qwen3 sets head_dim 32, with q/k norms).
@@ -111,6 +124,10 @@ GEOMETRIES = (
     Geometry("qwen3-8b bfloat16 32-token blocks", dtype=torch.bfloat16, block_size=32,
              **QWEN3_8B),
     Geometry("llama-3-8b float16", dtype=torch.float16, **LLAMA3_8B),
+    # kv_cache_dtype="fp8": the head dim 128 models in bfloat16 and float16, SmolLM2 in float32
+    Geometry("qwen3-8b bfloat16 fp8 KV", dtype=torch.bfloat16, fp8_kv=True, **QWEN3_8B),
+    Geometry("llama-3-8b float16 fp8 KV", dtype=torch.float16, fp8_kv=True, **LLAMA3_8B),
+    Geometry("smollm2-135m float32 fp8 KV", dtype=torch.float32, fp8_kv=True, **SMOLLM2),
 )
 
 
@@ -121,13 +138,13 @@ class Launch:
     kernel: JITFunction
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    geometry: str
+    geometry: Geometry
 
 
 class LaunchRecorder:
     """Stands in for a ``JITFunction``: ``recorder[grid](...)`` records the call instead."""
 
-    def __init__(self, kernel: JITFunction, geometry: str, launches: list[Launch]) -> None:
+    def __init__(self, kernel: JITFunction, geometry: Geometry, launches: list[Launch]) -> None:
         self.kernel = kernel
         self.geometry = geometry
         self.launches = launches
@@ -145,7 +162,7 @@ def jit_functions(module: ModuleType) -> dict[str, JITFunction]:
 
 
 @contextmanager
-def recording(geometry: str, launches: list[Launch]) -> Iterator[None]:
+def recording(geometry: Geometry, launches: list[Launch]) -> Iterator[None]:
     """Replace every jit function of the kernel modules by a recorder, then restore them."""
     originals = [(module, jit_functions(module)) for module in KERNEL_MODULES]
     for module, kernels in originals:
@@ -174,12 +191,15 @@ def _metadata(num_tokens: int) -> AttentionMetadata:
         max_query_len=PREFILL_LEN)
 
 
-def _kv_pool(geometry: Geometry, num_blocks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 0's K and V pools, laid out as the model runner allocates them."""
+def _kv_pool(geometry: Geometry, num_blocks: int = 64) -> tuple[torch.Tensor, ...]:
+    """Layer 0's K and V pools, laid out as the model runner allocates them, and their
+    scales (FP8 pools only; else None)."""
     storage, order = pool_layout((2, 2, num_blocks, geometry.block_size,
                                   geometry.num_kv_heads, geometry.head_dim))
-    pool = _meta(*storage, dtype=geometry.dtype).permute(order)
-    return pool[0, 0], pool[1, 0]
+    pool = _meta(*storage, dtype=FP8 if geometry.fp8_kv else geometry.dtype).permute(order)
+    scales = _meta(2, 2, geometry.num_kv_heads, dtype=torch.float32) if geometry.fp8_kv \
+        else None
+    return pool[0, 0], pool[1, 0], *((None, None) if scales is None else scales[:, 0])
 
 
 def run_step(geometry: Geometry) -> None:
@@ -198,19 +218,21 @@ def run_step(geometry: Geometry) -> None:
         k = triton_layers.rms_norm(k, _meta(g.head_dim, dtype=dtype), 1e-6)
     tables = _meta(MAX_POSITION, g.head_dim, dtype=torch.float32)
     triton_layers.rotary_embedding(_meta(tokens, dtype=torch.long), q, k, tables, tables)
-    k_cache, v_cache = _kv_pool(g)
+    k_cache, v_cache, k_scale, v_scale = _kv_pool(g)
     metadata = _metadata(tokens)
-    triton_attention.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    triton_attention.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
     scale = g.head_dim ** -0.5
-    triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale)
+    triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
     triton_attention.paged_decode_attention(  # the split path and its merge
         q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
-        metadata.context_lens[:NUM_DECODES], scale, num_splits=4)
+        metadata.context_lens[:NUM_DECODES], scale, num_splits=4, k_scale=k_scale,
+        v_scale=v_scale)
     gate = _meta(tokens, g.intermediate_size, dtype=dtype)
     triton_layers.silu_and_mul(gate, torch.empty_like(gate))
     # exact_logprobs: every query through the prefill kernel, every projection through the
     # fixed-tile matmul (with a bias, as Qwen2's q/k/v).
-    triton_attention.batch_invariant_attention(q, k_cache, v_cache, metadata, scale)
+    triton_attention.batch_invariant_attention(q, k_cache, v_cache, metadata, scale, k_scale,
+                                               v_scale)
     triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=dtype))
     triton_linear.linear(hidden, _meta(g.num_heads * g.head_dim, g.hidden_size, dtype=dtype),
                          _meta(g.num_heads * g.head_dim, dtype=dtype))
@@ -229,7 +251,7 @@ def record_launches(geometries: tuple[Geometry, ...] = GEOMETRIES) -> list[Launc
     """Every kernel launch one step of each geometry makes."""
     launches: list[Launch] = []
     for geometry in geometries:
-        with recording(geometry.name, launches):
+        with recording(geometry, launches):
             run_step(geometry)
     return launches
 
@@ -350,10 +372,11 @@ def unlaunched(launches: list[Launch]) -> list[str]:
 
 
 def distinct_jobs(launches: list[Launch]) -> list[tuple[CompileJob, Launch]]:
-    """One job per distinct binary: each launch for each target, repeats dropped."""
+    """One job per distinct binary: each launch for each of its geometry's targets, repeats
+    dropped."""
     jobs: dict[str, tuple[CompileJob, Launch]] = {}
     for launch in launches:
-        for target in TARGETS:
+        for target in launch.geometry.targets:
             job = specialise(launch, target)
             jobs.setdefault(job.key(), (job, launch))
     return list(jobs.values())
@@ -363,8 +386,15 @@ def report(job: CompileJob, launch: Launch) -> dict[str, Any]:
     """Compile ``job``; what it is (kernel, target, geometry, constexprs, pointer dtypes) and
     how it went (``shared`` bytes and ptxas's ``RESOURCES``, or ``error``)."""
     pointers = {name: kind for name, kind in job.signature.items() if kind.startswith("*")}
-    return {"kernel": job.kernel.__name__, "target": job.target, "geometry": launch.geometry,
+    return {"kernel": job.kernel.__name__, "target": job.target, "geometry": launch.geometry.name,
             "constexprs": job.constexprs, "pointers": pointers, **compile_job(job)}
+
+
+def fp8_store_on_sm80(launches: list[Launch]) -> str | None:
+    """The error compiling an FP8 pool's store for sm_80 gives (None: it compiled)."""
+    store = next(launch for launch in launches if launch.geometry.fp8_kv
+                 and launch.kernel.__name__ == "_store_kv_kernel")
+    return compile_job(specialise(store, "sm_80"))["error"]
 
 
 def main() -> None:
@@ -374,7 +404,8 @@ def main() -> None:
     # Threads suffice: two threads on two cores compile in about half the time of one.
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         compiled = list(pool.map(lambda pair: report(*pair), distinct_jobs(launches)))
-    results = {"compiled": compiled, "unlaunched": unlaunched(launches)}
+    results = {"compiled": compiled, "unlaunched": unlaunched(launches),
+               "fp8_on_sm80": fp8_store_on_sm80(launches)}
     Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
 
 

@@ -1,12 +1,19 @@
 """``tandem generate --model M --prompt TEXT [-n 8 ...]``: sample completions, print them and
-the throughput."""
+the throughput. The engine options it takes (``ENGINE_OPTIONS``) are ``EngineConfig``'s
+fields, help and defaults included."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
+from tandem.rollout.config import EngineConfig
 from tandem.rollout.default_model import DEFAULT_MODEL
+
+from .arguments import add_config_arguments
+
+ENGINE_OPTIONS = ("dtype", "device", "kv_cache_dtype")
 
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:
@@ -26,8 +33,8 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     generate_parser.add_argument("--top-k", type=int, default=0)
     generate_parser.add_argument("--max-tokens", type=int, default=64)
     generate_parser.add_argument("--seed", type=int, default=None, help="per-request seed")
-    generate_parser.add_argument("--dtype", default="auto")
-    generate_parser.add_argument("--device", default=None)
+    others = {field.name for field in dataclasses.fields(EngineConfig)} - set(ENGINE_OPTIONS)
+    add_config_arguments(generate_parser, EngineConfig, skip=others)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -40,7 +47,7 @@ def generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    llm = LLM(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     start = time.perf_counter()
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]

@@ -15,6 +15,10 @@ head_dim]`` layout its matmuls take, with no transpose copy.
 Decodes that share leading blocks (a GRPO group's prompt) can be attended as a cascade
 (``CascadeLayout``): the shared blocks once per group, with all the members' queries in one
 matmul, then each decode's own blocks, one softmax over both parts.
+
+An FP8 pool (``fp8_kv.py``) comes with its layer's scales ``k_scale`` and ``v_scale``
+``[kv_heads]``: ``store_kv`` quantizes, the attention dequantizes what it gathers to
+float32; every kernel takes them (None for a pool in the model's dtype).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .fp8_kv import FP8, dequantize, quantize
 
 
 def pool_layout(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -143,36 +149,61 @@ class DecodeBuffers:
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool.
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the pool;
+    into an FP8 pool quantized by its ``k_scale``/``v_scale`` (``fp8_kv.quantize``).
 
     Tokens whose slot is -1 (padding) are skipped.
     """
     valid = slot_mapping >= 0
     if not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, key)
-    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, value)
+    for rows, cache, kv_scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        if cache.dtype == FP8:  # index_copy_ takes no float8: copy the bytes
+            rows, cache = quantize(rows, kv_scale).view(torch.uint8), cache.view(torch.uint8)
+        cache.flatten(0, 1).index_copy_(0, slot_mapping, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pool:
+    """One layer's pool as the reference reads it: K and V, and their scales if FP8."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+    def keys(self, rows: torch.Tensor, num_runs: int) -> torch.Tensor:
+        """The keys of ``rows`` (``pool_rows``), as ``_gather`` lays them out."""
+        return _gather(self.k_cache, rows, num_runs, self.k_scale)
+
+    def values(self, rows: torch.Tensor, num_runs: int) -> torch.Tensor:
+        """The values of ``rows``, as ``keys``."""
+        return _gather(self.v_cache, rows, num_runs, self.v_scale)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool.
+                    metadata: AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool
+    (an FP8 one read through its ``k_scale``/``v_scale``).
 
     Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
     its own sequence at positions up to its own. Returns ``[num_tokens, num_heads, head_dim]``.
     """
+    pool = _Pool(k_cache, v_cache, k_scale, v_scale)
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        output[:num_decodes] = _decode_attention(query[:num_decodes], k_cache, v_cache,
-                                                 metadata, scale)
-    _attend_prefills(query, k_cache, v_cache, metadata, scale, output)
+        output[:num_decodes] = _decode_attention(query[:num_decodes], pool, metadata, scale)
+    _attend_prefills(query, pool, metadata, scale, output)
     return output
 
 
-def _attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float, output: torch.Tensor) -> None:
+def _attend_prefills(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
+                     scale: float, output: torch.Tensor) -> None:
     """Write the attention of the step's prefill chunks (the query tokens after the
     decodes') into the same rows of ``output``, one sequence at a time."""
     num_decodes = metadata.num_decodes
@@ -183,7 +214,7 @@ def _attend_prefills(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for s in range(num_decodes, len(context_lens)):
         start, end = starts[s], starts[s + 1]
         output[start:end] = _prefill_attention(
-            query[start:end], k_cache, v_cache, metadata.block_tables[s], context_lens[s], scale)
+            query[start:end], pool, metadata.block_tables[s], context_lens[s], scale)
 
 
 def pool_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -195,9 +226,11 @@ def pool_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return (heads[:, None] + block_ids[None, :]).flatten()
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, num_runs: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, rows: torch.Tensor, num_runs: int,
+            kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The tokens of ``num_runs`` runs of blocks (their ``pool_rows``) as ``[kv_heads, runs,
-    tokens, head_dim]``, float32 for a half-precision pool.
+    tokens, head_dim]``, float32 for a half-precision pool, and dequantized by ``kv_scale``
+    from an FP8 one.
 
     One ``index_select`` of whole rows of the head-major pool: 1.3-1.6x faster than the
     same selection along its block dimension. A pool stored otherwise is copied whole
@@ -205,7 +238,8 @@ def _gather(cache: torch.Tensor, rows: torch.Tensor, num_runs: int) -> torch.Ten
     """
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     runs = cache.permute(2, 0, 1, 3).reshape(num_kv_heads * num_blocks, block_size * head_dim)
-    return _upcast(runs.index_select(0, rows).view(num_kv_heads, num_runs, -1, head_dim))
+    tokens = runs.index_select(0, rows).view(num_kv_heads, num_runs, -1, head_dim)
+    return dequantize(tokens, kv_scale, dim=0) if cache.dtype == FP8 else _upcast(tokens)
 
 
 def _upcast(tensor: torch.Tensor) -> torch.Tensor:
@@ -214,21 +248,21 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _scores(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _scores(query: torch.Tensor, pool: _Pool,
             runs: BlockRuns) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked scores of ``query`` ``[kv_heads, runs, rows, head_dim]`` (already scaled)
     against its run's tokens, ``[kv_heads, runs, rows, tokens]``, and the run's values
     ``[kv_heads, runs, tokens, head_dim]``."""
     num_runs = runs.bias.shape[0]
     if runs.rows is None:
-        runs.rows = pool_rows(k_cache, runs.block_ids)
-    keys = _gather(k_cache, runs.rows, num_runs)
+        runs.rows = pool_rows(pool.k_cache, runs.block_ids)
+    keys = pool.keys(runs.rows, num_runs)
     scores = torch.matmul(query, keys.transpose(-1, -2)).add_(runs.bias[:, None, :])
-    return scores, _gather(v_cache, runs.rows, num_runs)
+    return scores, pool.values(runs.rows, num_runs)
 
 
-def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
     """One query token per decode, all decodes batched; a cascade when ``metadata.cascade``
     groups them.
 
@@ -237,12 +271,12 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     scores against its own blocks; one softmax over both normalises them together.
     """
     num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads = pool.k_cache.shape[2]
     heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * scale
     layout = metadata.cascade or CascadeLayout(block_runs(
         metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
-        k_cache.shape[1]))
-    scores, values = _scores(heads, k_cache, v_cache, layout.own)
+        pool.k_cache.shape[1]))
+    scores, values = _scores(heads, pool, layout.own)
     if layout.shared is None:
         out = torch.matmul(torch.softmax(scores, dim=-1), values)
     else:
@@ -256,7 +290,7 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
         grouped_query = heads.index_select(1, members).view(num_kv_heads, num_groups, -1,
                                                             head_dim)
-        shared_scores, shared_values = _scores(grouped_query, k_cache, v_cache, layout.shared)
+        shared_scores, shared_values = _scores(grouped_query, pool, layout.shared)
         num_shared = shared_scores.shape[-1]
         probs = torch.softmax(torch.cat([per_decode(shared_scores), scores], dim=-1), dim=-1)
         shared_probs = probs[..., :num_shared].index_select(1, members)
@@ -266,15 +300,14 @@ def _decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out.transpose(0, 1).reshape(num_decodes, num_heads, head_dim).to(query.dtype)
 
 
-def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       block_table: torch.Tensor, context_len: int,
-                       scale: float) -> torch.Tensor:
+def _prefill_attention(query: torch.Tensor, pool: _Pool, block_table: torch.Tensor,
+                       context_len: int, scale: float) -> torch.Tensor:
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
     output_dtype = query.dtype
-    block_size = k_cache.shape[1]
-    rows = pool_rows(k_cache, block_table[:math.ceil(context_len / block_size)])
-    keys = _gather(k_cache, rows, 1)[:, 0, :context_len]
-    values = _gather(v_cache, rows, 1)[:, 0, :context_len]
+    block_size = pool.k_cache.shape[1]
+    rows = pool_rows(pool.k_cache, block_table[:math.ceil(context_len / block_size)])
+    keys = pool.keys(rows, 1)[:, 0, :context_len]
+    values = pool.values(rows, 1)[:, 0, :context_len]
     query = _upcast(query.transpose(0, 1))
     num_query, num_groups = query.shape[1], query.shape[0] // keys.shape[0]
     # Four-dimensional inputs with the key/value heads repeated reach SDPA's flash kernel on

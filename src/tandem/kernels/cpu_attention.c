@@ -12,6 +12,10 @@
  * KV head) run as a tile of one token, so that a token's attention has the same bits
  * whether it was decoded or prefilled, and whatever the chunk around it.
  * Element strides throughout; a row's head_dim values are contiguous.
+ *
+ * The pool holds the query's dtype, or float8 e4m3 (kv_format): each byte read through
+ * fp8_values (its float32 value, as torch converts it), K's scale per KV head folded into
+ * the query's scale and V's applied to the output sums.
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,26 +40,43 @@ struct attention_args {
     const int64_t *block_tables;   /* [num_seqs, block_table_stride] */
     const int64_t *context_lens;   /* [num_seqs] */
     const int64_t *query_starts;   /* [num_seqs + 1]: each sequence's first query row */
+    const float *k_scale, *v_scale; /* [num_kv_heads]; an FP8 pool's only, else NULL */
+    const float *fp8_values;       /* [256]: each e4m3 byte's value; an FP8 pool's only */
     int64_t block_table_stride;
     int64_t query_stride_seq, query_stride_head;
     int64_t output_stride_seq, output_stride_head;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     int64_t cache_stride_block, cache_stride_token, cache_stride_head;
     float scale;
-    int32_t bf16;
+    int32_t bf16;      /* the query and output: FORMAT_FLOAT32 or FORMAT_BFLOAT16 */
+    int32_t kv_format; /* the pool: the query's format, or FORMAT_FP8_E4M3 */
 };
 
-/* Row `index` (an element offset) of `base` as float32: the row itself for a float32 pool,
- * else converted into `scratch`. */
-static inline const float *row_at(const void *base, int64_t index, int32_t bf16,
-                                  int64_t head_dim, float *scratch) {
-    if (!bf16)
+enum { FORMAT_FLOAT32 = 0, FORMAT_BFLOAT16 = 1, FORMAT_FP8_E4M3 = 2 };
+
+/* Row `index` (an element offset) of `base`, of `format`, as float32: the row itself for
+ * float32, else converted into `scratch` (e4m3 through the table `fp8_values`). */
+static inline const float *row_at(const void *base, int64_t index, int32_t format,
+                                  const float *fp8_values, int64_t head_dim, float *scratch) {
+    if (format == FORMAT_FLOAT32)
         return (const float *)base + index;
+    if (format == FORMAT_FP8_E4M3) {
+        const uint8_t *row = (const uint8_t *)base + index;
+        for (int64_t d = 0; d < head_dim; d++)
+            scratch[d] = fp8_values[row[d]];
+        return scratch;
+    }
     const uint16_t *row = (const uint16_t *)base + index;
 #pragma omp simd
     for (int64_t d = 0; d < head_dim; d++)
         scratch[d] = bf16_to_float(row[d]);
     return scratch;
+}
+
+/* Value row `index` of the pool as float32 (row_at). */
+static inline const float *value_at(const struct attention_args *a, int64_t index,
+                                    float *scratch) {
+    return row_at(a->v_cache, index, a->kv_format, a->fp8_values, a->head_dim, scratch);
 }
 
 /* The element offset in the pool of each of `seq`'s first `context_len` tokens' rows. */
@@ -69,13 +90,14 @@ static void token_rows(const struct attention_args *a, int64_t seq, int64_t kv_h
     }
 }
 
-/* Query token `token`'s head `head`, scaled, into `out`. */
-static void load_query(const struct attention_args *a, int64_t token, int64_t head, float *out) {
+/* Query token `token`'s head `head`, times `scale`, into `out`. */
+static void load_query(const struct attention_args *a, int64_t token, int64_t head,
+                       float scale, float *out) {
     float scratch[MAX_HEAD_DIM];
     int64_t index = token * a->query_stride_seq + head * a->query_stride_head;
-    const float *row = row_at(a->query, index, a->bf16, a->head_dim, scratch);
+    const float *row = row_at(a->query, index, a->bf16, NULL, a->head_dim, scratch);
     for (int64_t d = 0; d < a->head_dim; d++)
-        out[d] = row[d] * a->scale;
+        out[d] = row[d] * scale;
 }
 
 /* `sums` into query token `token`'s head `head` of the output, in its dtype. */
@@ -206,7 +228,11 @@ static inline __attribute__((always_inline)) void score_rows(
 /* Key `rows[t]` of the pool into column j of the transposed tile, as float32. */
 static inline void transpose_key(const struct attention_args *a, int64_t row,
                                  float keys[][TILE_KEYS], int64_t j) {
-    if (a->bf16) {
+    if (a->kv_format == FORMAT_FP8_E4M3) {
+        const uint8_t *key = (const uint8_t *)a->k_cache + row;
+        for (int64_t d = 0; d < a->head_dim; d++)
+            keys[d][j] = a->fp8_values[key[d]];
+    } else if (a->kv_format == FORMAT_BFLOAT16) {
         const uint16_t *key = (const uint16_t *)a->k_cache + row;
         for (int64_t d = 0; d < a->head_dim; d++)
             keys[d][j] = bf16_to_float(key[d]);
@@ -250,7 +276,7 @@ static inline __attribute__((always_inline)) void weighted_block(
     float scratch[MAX_HEAD_DIM];
     vfloat acc[ROW_BLOCK][VALUE_SUMS] = {{{0}}};
     for (int64_t t = 0; t < num_keys; t++) {
-        const float *value = row_at(a->v_cache, rows[t], a->bf16, a->head_dim, scratch) + d0;
+        const float *value = value_at(a, rows[t], scratch) + d0;
         vfloat v[VALUE_SUMS];
         for (int j = 0; j < vectors; j++)
             v[j] = load_vector(value + j * LANES);
@@ -285,8 +311,7 @@ static inline __attribute__((always_inline)) void weighted_rows(
         for (int i = 0; i < count; i++) {
             float sum = 0.0f;
             for (int64_t t = 0; t < num_keys; t++)
-                sum += scores[(r0 + i) * stride + t] *
-                       row_at(a->v_cache, rows[t], a->bf16, head_dim, scratch)[d];
+                sum += scores[(r0 + i) * stride + t] * value_at(a, rows[t], scratch)[d];
             sums[r0 + i][d] = sum;
         }
 }
@@ -316,9 +341,12 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
     /* Token first + i sits at this position: it sees keys [0, position]. */
     const int64_t first_position = a->context_lens[seq] - num_query + first;
     const int64_t num_keys = first_position + count, num_rows = count * group;
+    /* An FP8 pool's key scale folds into the query's: q . (k s) = (q s) . k. */
+    const float scale = a->k_scale ? a->scale * a->k_scale[kv_head] : a->scale;
     float queries[MAX_TILE_ROWS][MAX_HEAD_DIM], sums[MAX_TILE_ROWS][MAX_HEAD_DIM];
     for (int64_t r = 0; r < num_rows; r++)
-        load_query(a, start + first + r / group, kv_head * group + r % group, queries[r]);
+        load_query(a, start + first + r / group, kv_head * group + r % group, scale,
+                   queries[r]);
     token_rows(a, seq, kv_head, num_keys, rows);
     tile_scores(a, rows, num_keys, num_rows, queries, scores, num_keys);
     for (int64_t r = 0; r < num_rows; r++) { /* causal: row r sees its first `seen` keys */
@@ -329,6 +357,10 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
         memset(row + seen, 0, (num_keys - seen) * sizeof(float));
     }
     weighted_values(a, rows, num_keys, num_rows, scores, num_keys, sums);
+    if (a->v_scale) /* and the value scale into the sums: sum p (v s) = s sum p v */
+        for (int64_t r = 0; r < num_rows; r++)
+            for (int64_t d = 0; d < head_dim; d++)
+                sums[r][d] *= a->v_scale[kv_head];
     for (int64_t r = 0; r < num_rows; r++)
         store_output(a, start + first + r / group, kv_head * group + r % group, sums[r]);
 }

@@ -114,13 +114,16 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """``attention.store_kv``: each token's rows copied to its slot (-1: skipped)."""
+             v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """``attention.store_kv``: each token's rows copied to its slot (-1: skipped). An FP8
+    pool takes the reference's store, so that every CPU path quantizes through the one
+    ``fp8_kv.quantize`` (the trainer's exact forward too)."""
     if (key.dtype != k_cache.dtype or value.dtype != k_cache.dtype
             or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
             or key.stride(-1) != 1 or value.stride(-1) != 1
             or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()):
-        attention.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        attention.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
         return
     args = _StoreKvArgs(
         key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

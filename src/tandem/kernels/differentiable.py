@@ -14,7 +14,11 @@ of autograd through the references (the gradient needs no bitwise match):
   that attends every sequence of a flat token stream to itself through the engine's own
   attention over the stream's keys (no pool: the engine's attention gives a token the same
   bits decoded or prefilled), backward through one padded SDPA call. The model's attention
-  calls it instead of storing to and reading from a pool.
+  calls it instead of storing to and reading from a pool. Where the engine's pool is FP8,
+  the stream's K and V go through it as the engine's do: stored by the engine's own
+  ``store_kv`` with the engine's scales (so rounded to the very bits the engine read) and
+  attended from there; the backward is straight through the rounding (the gradient of the
+  dequantized K and V passed to K and V, but where the clamp saturated).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.autograd import Function
 from . import cpu_linear, layers
 from .attention import AttentionMetadata
 from .dispatch import AttentionBackend, KernelOps, LayerKernels
+from .fp8_kv import FP8, FP8_MAX, dequantize
 
 
 class _Linear(Function):
@@ -161,9 +166,8 @@ class _Rotary(Function):
 
 class _CausalAttention(Function):
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, scale, attend):  # noqa: D102
-        ctx.save_for_backward(query, key, value, cu_seqlens)
-        ctx.scale = scale
+    def forward(ctx, query, key, value, cu_seqlens, scale, kernels,  # noqa: D102
+                k_scale, v_scale):
         starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
         width = int(lengths.max())
         # The stream itself as a pool of one-token blocks: row t of each sequence's table is
@@ -173,17 +177,46 @@ class _CausalAttention(Function):
         metadata = AttentionMetadata(torch.empty(0, dtype=torch.long, device=key.device),
                                      tables, lengths, cu_seqlens, num_decodes=0,
                                      max_query_len=width)
-        return attend(query.contiguous(), key.contiguous().unsqueeze(1),
-                      value.contiguous().unsqueeze(1), metadata, scale)
+        k_pool, v_pool = key.contiguous().unsqueeze(1), value.contiguous().unsqueeze(1)
+        if k_scale is not None:
+            k_pool, v_pool = _through_fp8_pool(key, value, kernels.store_kv, k_scale, v_scale)
+        ctx.save_for_backward(query, key, value, cu_seqlens, k_pool, v_pool)
+        ctx.scale, ctx.scales = scale, (k_scale, v_scale)
+        return kernels.paged_attention(query.contiguous(), k_pool, v_pool, metadata, scale,
+                                       k_scale, v_scale)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        query, key, value, cu_seqlens = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+        query, key, value, cu_seqlens, k_pool, v_pool = ctx.saved_tensors
+        k_scale, v_scale = ctx.scales
+        attended = (key, value) if k_scale is None else (
+            dequantize(k_pool[:, 0], k_scale).to(key.dtype),
+            dequantize(v_pool[:, 0], v_scale).to(value.dtype))
+        inputs = [t.detach().requires_grad_() for t in (query, *attended)]
         with torch.enable_grad():
             out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale)
-        grads = torch.autograd.grad(out, inputs, grad)
-        return *grads, None, None, None
+        grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
+        if k_scale is not None:  # straight through the rounding, not the saturation
+            grad_key = grad_key * _unsaturated(key, k_scale)
+            grad_value = grad_value * _unsaturated(value, v_scale)
+        return grad_query, grad_key, grad_value, None, None, None, None, None
+
+
+def _through_fp8_pool(key: torch.Tensor, value: torch.Tensor, store: Callable[..., None],
+                      k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``key`` and ``value`` ``[tokens, kv_heads, head_dim]`` stored by the engine's ``store``
+    into an FP8 pool of one-token blocks (the stream's), with the engine's scales."""
+    k_pool = torch.empty(key.shape[0], 1, *key.shape[1:], dtype=FP8, device=key.device)
+    v_pool = torch.empty_like(k_pool)
+    slots = torch.arange(key.shape[0], device=key.device)
+    store(key.detach(), value.detach(), k_pool, v_pool, slots, k_scale, v_scale)
+    return k_pool, v_pool
+
+
+def _unsaturated(x: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
+    """Where ``x`` ``[tokens, kv_heads, head_dim]`` lies within its FP8 range (the clamp
+    passes a gradient), as ``x``'s dtype."""
+    return ((x.float() / kv_scale[:, None]).abs() <= FP8_MAX).to(x.dtype)
 
 
 def _sdpa_reference(query, key, value, cu_seqlens, scale):
@@ -211,7 +244,8 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     """The engine's kernels ``kernels`` (the compiled CPU ones, or the Triton ones with the
     batch-invariant attention) made differentiable for a trainer's forward pass: each runs
     forward as the engine runs it, its backward in torch; ``causal_attention`` attends each
-    sequence of the step's flat stream to its own keys through ``kernels.paged_attention``.
+    sequence of the step's flat stream to its own keys through ``kernels.paged_attention``
+    (given an FP8 pool's scales, through an FP8 pool filled by ``kernels.store_kv``).
     """
     def rms_norm(x, weight, eps, residual=None):
         return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm)
@@ -220,9 +254,10 @@ def training_ops(kernels: KernelOps) -> KernelOps:
         _Rotary.apply(query, positions, cos_cache, sin_cache, kernels.rotary_embedding)
         _Rotary.apply(key, positions, cos_cache, sin_cache, kernels.rotary_embedding)
 
-    def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float):
-        return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale,
-                                      kernels.paged_attention)
+    def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float,
+                         k_scale=None, v_scale=None):
+        return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale, kernels,
+                                      k_scale, v_scale)
 
     def silu_and_mul(gate, up):
         return _SiluAndMul.apply(gate, up, kernels.silu_and_mul)

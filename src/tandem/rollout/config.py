@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from tandem.kernels import batch_invariance_gap, check_backend
+from tandem.kernels import (
+    batch_invariance_gap,
+    check_backend,
+    check_kv_cache_dtype,
+    kv_cache_dtype,
+)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -35,6 +40,16 @@ class EngineConfig:
         "the KV pool's size in blocks (overrides the two below).")})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": (
         "the KV pool's size in bytes.")})
+    kv_cache_dtype: str = field(default="auto", metadata={"help": (
+        "the KV pool's element type (vLLM's --kv-cache-dtype): ``\"auto\"`` (the model's "
+        "dtype) or ``\"fp8\"`` (also ``\"fp8_e4m3\"``): float8_e4m3fn, one byte an element, "
+        "so the same pool bytes hold twice bfloat16's tokens and four times float32's. K and "
+        "V are stored divided by a scale per layer and KV head, clamped to +-448 (beyond "
+        "saturates, never NaN) and rounded. The scales are 1.0, vLLM's default without "
+        "calibrated scales, and never change: calibrating them on the first prefill would "
+        "make every token's KV depend on which request came first (another order of "
+        "requests, a restart or a resumed run would store other bits). On CUDA it needs "
+        "compute capability 8.9 or newer (Ada, Hopper).")})
     gpu_memory_utilization: float | None = field(default=None, metadata={"help": (
         "the fraction of device memory this engine owns in all (weights, KV pool, buffers); "
         "the KV pool gets what the rest leaves. Default 0.9 on CUDA. On CPU the pool defaults "
@@ -105,6 +120,7 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
                              f"{', '.join(DTYPES)}.")
         check_backend(self.attention_backend)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.distributed_executor_backend not in ("mp", "external_launcher"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}"
                              " is invalid: use 'mp' or 'external_launcher'.")
@@ -146,7 +162,7 @@ class EngineConfig:
                             str(self.torch_device), max_model_len, self.block_size,
                             self.attention_backend, self.enforce_eager, self.max_num_seqs,
                             self.exact(dtype, model_invariant), self.seed,
-                            tuple(sorted(eos_token_ids)))
+                            tuple(sorted(eos_token_ids)), self.kv_cache_dtype)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
@@ -176,11 +192,21 @@ class WorkerConfig:
     exact_logprobs: bool = False
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    kv_cache_dtype: str = "auto"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype as a ``torch.dtype``."""
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV pool's element dtype (``kv_cache_dtype`` resolved on this device).
+
+        Raises:
+            ValueError: where an FP8 pool cannot run (``kernels.kv_cache_dtype``).
+        """
+        return kv_cache_dtype(self.kv_cache_dtype, self.torch_dtype, self.torch_device)
 
     @property
     def torch_device(self) -> torch.device:

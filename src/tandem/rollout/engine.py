@@ -66,7 +66,7 @@ class LLMEngine:
                                       family.batch_invariant)
         self.runner = make_runner(worker, hf_config, config.tensor_parallel_size,
                                   config.distributed_executor_backend == "external_launcher")
-        kv_size = size_kv_cache(config, hf_config, dtype, self.max_model_len,
+        kv_size = size_kv_cache(config, hf_config, worker.kv_torch_dtype, self.max_model_len,
                                 self.runner.weight_bytes(), self.runner.graph_sizes)
         self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
         self.memory_plan = kv_size.plan

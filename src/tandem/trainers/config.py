@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from tandem.kernels import check_kv_cache_dtype
 from tandem.rollout.config import EngineConfig
 
 from .exact_conflicts import exact_conflicts
@@ -97,7 +98,9 @@ class RolloutConfig:
         top_p: nucleus sampling; below 1 the engine returns each token's kept-set threshold
             and the trainer's log-probs are of the same truncated distribution.
         top_k: keep the k most likely tokens (0: all); replayed as ``top_p`` is.
-        engine: keyword arguments of ``LLM`` (memory, block size, max_num_seqs...).
+        engine: keyword arguments of ``LLM`` (memory, block size, max_num_seqs, the KV
+            pool's ``kv_cache_dtype``: ``fp8`` holds twice bfloat16's tokens and stays exact,
+            the trainer's K and V rounded through it...).
         sleep_between_steps: free the engine's KV pool while the trainer steps.
         max_turns: for a task with an environment, most model turns per episode
             (``max_tokens`` is then per turn).
@@ -309,6 +312,7 @@ class TrainConfig:
             raise ValueError(f"unknown engine option(s) rollout.engine.{', '.join(unknown)}"
                              f"{_nearest(unknown, list(engine_fields), 'rollout.engine.')}: "
                              f"valid options are {', '.join(engine_fields)}.")
+        check_kv_cache_dtype(self.rollout.engine.get("kv_cache_dtype", "auto"))
         conflicts = exact_conflicts(self)
         if self.exact_logprobs and conflicts:
             raise ValueError(f"exact_logprobs: true cannot hold with {', '.join(conflicts)}: "

@@ -12,6 +12,10 @@ autograd through transformers gives, within float tolerance.
 The trainer's LoRA adapter (peft) goes in as the engine serves it: merged into each targeted
 weight as the engine's merge computes it (``LoraFactors.merged``), or added at run time
 through the panels as the engine's ``LoraLinear`` adds it; differentiably either way.
+
+With an FP8 KV pool each layer of the twin attends through the engine's scales (the same
+tensors): its K and V are rounded through e4m3 by the engine's own store before the same
+attention arithmetic, so the bits still match (``differentiable.py``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ class ExactForward:
         with torch.device("meta"):  # the engine's rotary tables, computed alike
             self.twin = model_class(config)(config, tables.shape[0], tables.device,
                                             training_ops(kernels), TensorParallel())
+        for twin_layer, engine_layer in zip(self.twin.attention_layers(),
+                                            engine_model.attention_layers(), strict=True):
+            twin_layer.k_scale, twin_layer.v_scale = engine_layer.k_scale, engine_layer.v_scale
         self.linear = training_linear(kernels)
         self.twin.multiply_through(self.linear, f"{kernels.layers.name} (differentiable)")
         self.spec = self.twin.weight_spec()

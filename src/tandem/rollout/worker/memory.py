@@ -1,8 +1,9 @@
 """The KV pool's size, decided in one place: from the options, or from a device share.
 
 ``num_kv_blocks`` (option), ``kv_cache_memory_bytes`` (option), 1 GiB on CPU, or, on CUDA,
-what the engine's memory plan leaves. The plan: what its fixed share of the device is spent
-on.
+what the engine's memory plan leaves; a block's bytes count the pool's element size
+(``kv_cache_dtype``: one byte for FP8, so the same bytes hold twice bfloat16's blocks). The
+plan: what its fixed share of the device is spent on.
 
 The share is ``gpu_memory_utilization`` × the device's *total* memory (vLLM's meaning), never
 what is free: a colocated trainer's memory must not shrink or grow the engine. Out of the
@@ -57,22 +58,24 @@ class KVCacheSize:
 def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype,
                    tensor_parallel_size: int = 1) -> int:
     """Bytes one KV block takes across all layers (K and V) on one rank (which holds its
-    share of the KV heads)."""
+    share of the KV heads), its elements of ``dtype``, the pool's (one byte for FP8, whose
+    scales live outside the pool)."""
     shape = model_class(config).kv_shape(config, tensor_parallel_size)
     per_token = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
     return per_token * shape.num_layers * block_size
 
 
-def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, dtype: torch.dtype,
+def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: torch.dtype,
                   max_model_len: int, weight_bytes: int, graph_sizes: list[int]) -> KVCacheSize:
-    """The KV pool for ``config``: set directly, 1 GiB on CPU, or what the device share leaves
-    (each a budget per rank under tensor parallelism: every rank holds as many blocks).
+    """The KV pool for ``config``, of ``kv_dtype`` elements (``WorkerConfig.kv_torch_dtype``):
+    set directly, 1 GiB on CPU, or what the device share leaves (each a budget per rank under
+    tensor parallelism: every rank holds as many blocks).
 
     Raises:
         ValueError: when the pool cannot hold one max_model_len sequence (naming the options
             that fix it), or the device share leaves nothing for it (see ``plan_memory``).
     """
-    block_bytes = kv_block_bytes(hf_config, config.block_size, dtype,
+    block_bytes = kv_block_bytes(hf_config, config.block_size, kv_dtype,
                                  config.tensor_parallel_size)
     plan = None
     if config.num_kv_blocks is not None:

@@ -20,6 +20,7 @@ from transformers import PretrainedConfig
 
 from tandem.kernels import AttentionMetadata, select_kernels
 from tandem.kernels.cpu_build import MAX_GROUP, MAX_HEAD_DIM
+from tandem.kernels.fp8_kv import FP8
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
 
 from ..config import WorkerConfig
@@ -50,13 +51,20 @@ class ModelRunner:
     without ``enforce_eager``; ``graph_sizes`` is empty otherwise. On CPU the linear layers
     multiply in the layout timed fastest on this machine when the model loads
     (``kernels/cpu_linear.py``; ``model.linear_layout`` names it), or with exact log-probs
-    in the batch-invariant panels.
+    in the batch-invariant panels. An FP8 pool (``kv_cache_dtype``) comes with its scales,
+    ``kv_scales`` ``[2, layers, kv_heads]`` (K's, V's; this rank's heads), kept apart from the
+    pool so that they outlive its release (sleep) and every weight update.
+
+    Raises:
+        ValueError: where the KV cache dtype cannot run on this device, before anything is
+            built.
     """
 
     def __init__(self, config: WorkerConfig, hf_config: PretrainedConfig,
                  tp: TensorParallel | None = None) -> None:
         self.config = config
         device, dtype = config.torch_device, config.torch_dtype
+        self.kv_dtype = config.kv_torch_dtype
         self.device = device
         self.exact_logprobs = config.exact_logprobs
         self.dtype = dtype
@@ -80,6 +88,7 @@ class ModelRunner:
         self.input_batch = InputBatch(config.block_size, device, self.ops.attention.cascade)
         self.kv_cache = torch.empty(0)
         self.kv_region: ReleasableMemory | None = None
+        self.kv_scales = self._bind_kv_scales()
         self.max_blocks_per_seq = num_blocks_for(config.max_model_len, config.block_size)
         captures = device.type == "cuda" and self.ops.attention.captures_graphs \
             and not config.enforce_eager
@@ -215,9 +224,20 @@ class ModelRunner:
         """Bytes of the model's parameters (tied ones counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
+    def _bind_kv_scales(self) -> torch.Tensor | None:
+        """An FP8 pool's scales (1.0: ``fp8_kv.py`` says why), each layer's bound to its
+        attention module as ``k_scale``/``v_scale``; None (and None bound) otherwise."""
+        shape = self.kv_shape
+        scales = torch.ones(2, shape.num_layers, shape.num_kv_heads, device=self.device) \
+            if self.kv_dtype == FP8 else None
+        for layer, attention in enumerate(self.model.attention_layers()):
+            attention.k_scale = None if scales is None else scales[0, layer]
+            attention.v_scale = None if scales is None else scales[1, layer]
+        return scales
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]``,
-        stored head-major (``pool_layout``); ``kv_heads`` this rank's.
+        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` of
+        ``kv_dtype``, stored head-major (``pool_layout``); ``kv_heads`` this rank's.
 
         It lives in a ``ReleasableMemory``, zeroed: after ``free_kv_cache`` it comes back at
         the same address (the decode graphs hold it). On CPU it is resident where written.
@@ -226,7 +246,7 @@ class ModelRunner:
         storage, order = self.ops.attention.kv_layout((2, shape.num_layers, num_blocks,
                                                        self.block_size, shape.num_kv_heads,
                                                        shape.head_dim))
-        num_bytes = math.prod(storage) * self.dtype.itemsize
+        num_bytes = math.prod(storage) * self.kv_dtype.itemsize
         if self.kv_region is None or self.kv_region.num_bytes != num_bytes:
             self.kv_region = releasable_or_none(
                 lambda: ReleasableMemory(num_bytes, self.device), "KV cache")
@@ -234,7 +254,7 @@ class ModelRunner:
             self.kv_region.restore()
         flat = torch.zeros(num_bytes, dtype=torch.uint8, device=self.device) \
             if self.kv_region is None else self.kv_region.tensor
-        self.kv_cache = typed_view(flat, 0, storage, self.dtype).permute(order)
+        self.kv_cache = typed_view(flat, 0, storage, self.kv_dtype).permute(order)
         for layer, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, layer]
             attention.v_cache = self.kv_cache[1, layer]
@@ -307,7 +327,7 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         """Release the KV pool's memory; ``allocate_kv_cache`` brings a zeroed pool back at
         the same address, so the decode graphs are kept."""
-        self.kv_cache = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(0, dtype=self.kv_dtype, device=self.device)
         for attention in self.model.attention_layers():
             attention.k_cache = attention.v_cache = self.kv_cache
         if self.kv_region is not None:

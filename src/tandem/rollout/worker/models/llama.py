@@ -37,7 +37,8 @@ Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, 
 
 
 class LlamaAttention(nn.Module):
-    """Self-attention that writes this step's K/V into the pool and reads through it."""
+    """Self-attention that writes this step's K/V into the pool and reads through it (an
+    FP8 pool through its scales ``k_scale``/``v_scale``, which the runner binds)."""
 
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
                  tp: TensorParallel) -> None:
@@ -63,6 +64,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -74,11 +77,13 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
+        scales = self.k_scale, self.v_scale
         if self.ops.causal_attention is not None:  # a trainer's forward: no pool
-            out = self.ops.causal_attention(q, k, v, metadata, self.scale)
+            out = self.ops.causal_attention(q, k, v, metadata, self.scale, *scales)
         else:
-            self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping)
-            out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale)
+            self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping, *scales)
+            out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale,
+                                           *scales)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
