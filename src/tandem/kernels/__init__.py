@@ -25,11 +25,12 @@ from .dispatch import (
                        LayerKernels,
                        batch_invariance_gap,
                        check_backend,
+                       check_quantized,
                        check_sharded,
                        select_kernels,
 )
 
 __all__ = ["BACKENDS", "CPU_OPS", "TORCH_OPS", "AttentionBackend", "AttentionMetadata",
            "BlockRuns", "CascadeLayout", "DecodeBuffers", "KernelOps", "LayerKernels",
-           "batch_invariance_gap", "block_runs", "check_backend", "check_sharded",
-           "paged_attention", "pool_layout", "select_kernels", "store_kv"]
+           "batch_invariance_gap", "block_runs", "check_backend", "check_quantized",
+           "check_sharded", "paged_attention", "pool_layout", "select_kernels", "store_kv"]

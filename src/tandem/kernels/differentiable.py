@@ -9,6 +9,10 @@ of autograd through the references (the gradient needs no bitwise match):
   each backend (``cpu_linear.c``'s panels, a parameter's kept on it until the optimizer
   writes it; ``triton_linear.py``, which reads the weight as stored),
   backward two matmuls;
+- ``training_quantized_linear(kernels, method)``: the same with the weight quantized as the
+  engine quantizes it (``quantization.quantize``, kept on a parameter as its panels are)
+  and multiplied by the engine's 8-bit kernel; the backward is the float layer's (a
+  straight-through gradient: the rounding taken as the identity);
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
   activation, each with its backward written out in float32, and a ``causal_attention``
   that attends every sequence of a flat token stream to itself through the engine's own
@@ -19,6 +23,7 @@ of autograd through the references (the gradient needs no bitwise match):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -26,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from . import cpu_linear, layers
+from . import cpu_linear, layers, quantization
 from .attention import AttentionMetadata
 from .dispatch import AttentionBackend, KernelOps, LayerKernels
 
@@ -48,22 +53,27 @@ class _Linear(Function):
         return grad_rows, grad_weight, grad_bias, None
 
 
-def _packed(weight: torch.Tensor, parameter: nn.Parameter | None) -> torch.Tensor:
-    """``weight``'s panels. A trainer's parameter keeps its own (an attribute, dropped with
-    it), repacked only after it changes: an optimizer step writes it in place, which bumps
-    its version. A computed weight (a merged adapter) is packed at each call."""
+def _kept(weight: torch.Tensor, parameter: nn.Parameter | None, name: str,
+          build: Callable[[torch.Tensor], object]) -> object:
+    """``build(weight)`` (its panels, its 8-bit codes). A trainer's parameter keeps what was
+    built for it under ``name`` (an attribute, dropped with it), built anew only after it
+    changes: an optimizer step writes it in place, which bumps its version. A computed
+    weight (a merged adapter) is built at each call."""
     if parameter is None:
-        return cpu_linear.panel_layout(weight)
+        return build(weight)
     key = (weight.data_ptr(), parameter._version, tuple(weight.shape), weight.dtype)
-    cached = getattr(parameter, "_tandem_panels", None)
-    if cached is None or cached[0] != key:
-        cached = parameter._tandem_panels = (key, cpu_linear.panel_layout(weight))
-    return cached[1]
+    if not hasattr(parameter, "_tandem_kept"):
+        parameter._tandem_kept = {}
+    kept = parameter._tandem_kept
+    if name not in kept or kept[name][0] != key:
+        kept[name] = (key, build(weight))
+    return kept[name][1]
 
 
 def _panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             parameter: nn.Parameter | None) -> torch.Tensor:
-    return cpu_linear.panel_linear(rows, _packed(weight, parameter), weight.shape[0],
+    panels = _kept(weight, parameter, "panels", cpu_linear.panel_layout)
+    return cpu_linear.panel_linear(rows, panels, weight.shape[0],
                                    None if bias is None else bias.contiguous())
 
 
@@ -72,6 +82,26 @@ def _triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     from . import triton_linear  # only when the Triton kernels run
 
     return triton_linear.linear(rows, weight, bias)
+
+
+def _quantized_panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      parameter: nn.Parameter | None, method: str) -> torch.Tensor:
+    def build(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        codes, scale = quantization.quantize(w, method)
+        return cpu_linear.panel_layout(codes), scale
+
+    panels, scale = _kept(weight, parameter, f"panels-{method}", build)
+    return cpu_linear.panel_linear(rows, panels, weight.shape[0],
+                                   None if bias is None else bias.contiguous(), scale)
+
+
+def _quantized_triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      parameter: nn.Parameter | None, method: str) -> torch.Tensor:
+    from . import triton_linear  # only when the Triton kernels run
+
+    codes, scale = _kept(weight, parameter, method,
+                         lambda w: quantization.quantize(w, method))
+    return triton_linear.linear(rows, codes, bias, scale)
 
 
 def _differentiable(kernel: Callable) -> Callable:
@@ -238,6 +268,16 @@ def training_linear(kernels: KernelOps) -> Callable[..., torch.Tensor]:
     """The differentiable twin of the engine's batch-invariant matmul for ``kernels``: the
     panels where the linear layers use the CPU layouts, the Triton matmul otherwise."""
     return panel_linear if kernels.layers.cpu_linear_layouts else triton_linear
+
+
+def training_quantized_linear(kernels: KernelOps, method: str) -> Callable[..., torch.Tensor]:
+    """``linear(x, weight, bias)`` of a trainer's float weight as the engine serves it with
+    ``quantization=method``: quantized by ``quantization.quantize`` and multiplied by the
+    engine's 8-bit kernel for ``kernels`` (the panels, or the Triton matmul), so each output
+    row has the engine's bits; differentiable, the gradient passing straight through the
+    rounding (the float layer's backward)."""
+    kernel = _quantized_panels if kernels.layers.cpu_linear_layouts else _quantized_triton
+    return _differentiable(functools.partial(kernel, method=method))
 
 
 def _no_pool(*args, **kwargs):

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tandem.kernels import batch_invariance_gap, check_backend
+from tandem.kernels.quantization import check_quantization
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -90,6 +91,15 @@ class EngineConfig:
         "on CPU, raise glibc malloc's mmap and trim thresholds for the whole process so that "
         "freed temporaries are reused instead of page-faulted in again every step (see "
         "``cpu_allocator.py``); False leaves malloc as it is.")})
+    quantization: str | None = field(default=None, metadata={"help": (
+        "8-bit weights for the decoder layers' projections (q/k/v/o, gate/up/down), one "
+        "float32 scale per output channel, quantized at load and in every weight update "
+        "(the trainer sends float weights): ``\"int8\"`` or ``\"fp8\"`` (e4m3; on CUDA "
+        "compute capability 8.9 or newer). The embedding, LM head and norms keep the "
+        "model's dtype. On CPU through the compiled panels (exact log-probs hold: the "
+        "trainer's exact forward quantizes alike), on CUDA through a Triton matmul that "
+        "converts the weights in registers. None (default): the model's dtype. Alias updates "
+        "and mixtures of experts are refused with it.")})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -105,6 +115,7 @@ class EngineConfig:
             raise ValueError(f"dtype={self.dtype!r} is invalid: use 'auto' or one of "
                              f"{', '.join(DTYPES)}.")
         check_backend(self.attention_backend)
+        check_quantization(self.quantization)
         if self.distributed_executor_backend not in ("mp", "external_launcher"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}"
                              " is invalid: use 'mp' or 'external_launcher'.")
@@ -146,7 +157,7 @@ class EngineConfig:
                             str(self.torch_device), max_model_len, self.block_size,
                             self.attention_backend, self.enforce_eager, self.max_num_seqs,
                             self.exact(dtype, model_invariant), self.seed,
-                            tuple(sorted(eos_token_ids)))
+                            tuple(sorted(eos_token_ids)), self.quantization)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
@@ -176,6 +187,7 @@ class WorkerConfig:
     exact_logprobs: bool = False
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    quantization: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:
