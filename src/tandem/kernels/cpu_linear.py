@@ -128,8 +128,10 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     float32 ``scales`` ``[out_features]`` (W = scales · codes, ``quantization.py``).
 
     Raises:
+        ValueError: for 8-bit panels without scales, or scales beside float panels.
         MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
     """
+    _check_scales(panels, scales)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = cpu_build.kernel("tandem_panel_linear", (
         _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT,
@@ -151,8 +153,10 @@ def grouped_panel_linear(x: torch.Tensor, panels: torch.Tensor, offsets: torch.T
     projection instead of one per expert).
 
     Raises:
+        ValueError: for 8-bit panels without scales, or scales beside float panels.
         MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
     """
+    _check_scales(panels, scales)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = cpu_build.kernel("tandem_grouped_panel_linear", (
         _POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER,
@@ -163,6 +167,14 @@ def grouped_panel_linear(x: torch.Tensor, panels: torch.Tensor, offsets: torch.T
                   out.data_ptr(), out_features, cpu_build.DTYPES[x.dtype],
                   WEIGHT_FORMATS[panels.dtype], torch.get_num_threads()))
     return out
+
+
+def _check_scales(panels: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Raise ValueError unless 8-bit panels come with their float32 scales, and only they."""
+    if is_quantized(panels.dtype) != (scales is not None) or \
+            (scales is not None and scales.dtype != torch.float32):
+        raise ValueError(f"{panels.dtype} panels take "
+                         f"{'float32 scales' if is_quantized(panels.dtype) else 'no scales'}")
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:

@@ -11,8 +11,9 @@ of autograd through the references (the gradient needs no bitwise match):
   backward two matmuls;
 - ``training_quantized_linear(kernels, method)``: the same with the weight quantized as the
   engine quantizes it (``quantization.quantize``, kept on a parameter as its panels are)
-  and multiplied by the engine's 8-bit kernel; the backward is the float layer's (a
-  straight-through gradient: the rounding taken as the identity);
+  and multiplied by the engine's 8-bit kernel; backward, the input's gradient through the
+  weight served (dequantized), the weight's straight through the rounding (quantization-
+  aware training's straight-through estimator);
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
   activation, each with its backward written out in float32, and a ``causal_attention``
   that attends every sequence of a flat token stream to itself through the engine's own
@@ -37,17 +38,26 @@ from .dispatch import AttentionBackend, KernelOps, LayerKernels
 
 
 class _Linear(Function):
+    """``kernel(rows, weight, bias, parameter)``, which returns the output and the 8-bit
+    codes and scales it multiplied by (None: the weight itself); the backward takes the
+    input's gradient through the weight the kernel served, the weight's straight through any
+    rounding."""
+
     @staticmethod
     def forward(ctx, rows, weight, bias, kernel):  # noqa: D102 - autograd's protocol
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         parameter = weight if isinstance(weight, nn.Parameter) else None
-        return kernel(rows, weight.detach(), None if bias is None else bias.detach(), parameter)
+        out, ctx.codes = kernel(rows, weight.detach(), None if bias is None else bias.detach(),
+                                parameter)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        served = weight if ctx.codes is None else quantization.dequantize(*ctx.codes,
+                                                                          weight.dtype)
+        grad_rows = grad @ served if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_rows, grad_weight, grad_bias, None
@@ -70,38 +80,42 @@ def _kept(weight: torch.Tensor, parameter: nn.Parameter | None, name: str,
     return kept[name][1]
 
 
+Codes = tuple[torch.Tensor, torch.Tensor]  # 8-bit codes and their scales
+
+
 def _panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            parameter: nn.Parameter | None) -> torch.Tensor:
+            parameter: nn.Parameter | None) -> tuple[torch.Tensor, None]:
     panels = _kept(weight, parameter, "panels", cpu_linear.panel_layout)
     return cpu_linear.panel_linear(rows, panels, weight.shape[0],
-                                   None if bias is None else bias.contiguous())
+                                   None if bias is None else bias.contiguous()), None
 
 
 def _triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            parameter: nn.Parameter | None) -> torch.Tensor:  # reads the weight as stored
+            parameter: nn.Parameter | None) -> tuple[torch.Tensor, None]:
     from . import triton_linear  # only when the Triton kernels run
 
-    return triton_linear.linear(rows, weight, bias)
+    return triton_linear.linear(rows, weight, bias), None  # reads the weight as stored
 
 
 def _quantized_panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      parameter: nn.Parameter | None, method: str) -> torch.Tensor:
-    def build(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        codes, scale = quantization.quantize(w, method)
-        return cpu_linear.panel_layout(codes), scale
+                      parameter: nn.Parameter | None, method: str
+                      ) -> tuple[torch.Tensor, Codes]:
+    def build(w: torch.Tensor) -> tuple[torch.Tensor, Codes]:
+        codes = quantization.quantize(w, method)
+        return cpu_linear.panel_layout(codes[0]), codes
 
-    panels, scale = _kept(weight, parameter, f"panels-{method}", build)
+    panels, codes = _kept(weight, parameter, f"panels-{method}", build)
     return cpu_linear.panel_linear(rows, panels, weight.shape[0],
-                                   None if bias is None else bias.contiguous(), scale)
+                                   None if bias is None else bias.contiguous(), codes[1]), codes
 
 
 def _quantized_triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      parameter: nn.Parameter | None, method: str) -> torch.Tensor:
+                      parameter: nn.Parameter | None, method: str
+                      ) -> tuple[torch.Tensor, Codes]:
     from . import triton_linear  # only when the Triton kernels run
 
-    codes, scale = _kept(weight, parameter, method,
-                         lambda w: quantization.quantize(w, method))
-    return triton_linear.linear(rows, codes, bias, scale)
+    codes = _kept(weight, parameter, method, lambda w: quantization.quantize(w, method))
+    return triton_linear.linear(rows, codes[0], bias, codes[1]), codes
 
 
 def _differentiable(kernel: Callable) -> Callable:
@@ -274,8 +288,8 @@ def training_quantized_linear(kernels: KernelOps, method: str) -> Callable[..., 
     """``linear(x, weight, bias)`` of a trainer's float weight as the engine serves it with
     ``quantization=method``: quantized by ``quantization.quantize`` and multiplied by the
     engine's 8-bit kernel for ``kernels`` (the panels, or the Triton matmul), so each output
-    row has the engine's bits; differentiable, the gradient passing straight through the
-    rounding (the float layer's backward)."""
+    row has the engine's bits; differentiable, the weight's gradient passing straight
+    through the rounding (``_Linear``)."""
     kernel = _quantized_panels if kernels.layers.cpu_linear_layouts else _quantized_triton
     return _differentiable(functools.partial(kernel, method=method))
 

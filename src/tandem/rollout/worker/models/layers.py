@@ -53,8 +53,15 @@ class Linear(nn.Linear):
         """Replace the weight by its 8-bit codes in ``method``'s format and set
         ``weight_scale`` (``quantization.quantize``); the float weight is freed."""
         codes, scale = quantization.quantize(self.weight, method)
+        self.unquantized_dtype = self.weight.dtype
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of its inputs and outputs: its weight's, or its float weight's before
+        ``quantize``."""
+        return self.weight.dtype if self.weight_scale is None else self.unquantized_dtype
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """This layer's Hugging Face tensors (``prefix`` its module name) and where each
@@ -95,8 +102,8 @@ class LoraLinear(Linear):
             self.lora_a = self.lora_b = None
             return
         lora_a, lora_b, self.lora_scale = factors
-        self.lora_a = lora_a.to(self.weight.device, self.weight.dtype)
-        self.lora_b = lora_b.to(self.weight.device, self.weight.dtype)
+        self.lora_a = lora_a.to(self.weight.device, self.compute_dtype)
+        self.lora_b = lora_b.to(self.weight.device, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map, plus the adapter's low-rank term when one is set."""
