@@ -38,6 +38,10 @@ engines still alive):
   against the engine's sampled log-probs (target: a gap of exactly 0).
 - ``moe``: the Triton grouped experts at Qwen3-30B-A3B's layer shape (issue 41): error
   against float64, a token's bits alone and among others, seconds against the torch path.
+- ``quantized``: 8-bit weights (issue 42): the Triton 8-bit matmul against float64 on the
+  dequantized weight and against cuBLAS in bfloat16 (int8; fp8 where the device converts
+  it), then each quantized engine's decode tok/s and greedy agreement against the
+  unquantized engine.
 - ``resources``: registers, spills and shared memory of every Triton kernel compiled here.
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
@@ -91,6 +95,7 @@ from gpu_check_kernels import (  # noqa: E402
     check_resources,
 )
 from gpu_check_moe import check_moe  # noqa: E402
+from gpu_check_quantized import check_quantized_section  # noqa: E402
 from gpu_check_rl import check_grpo, check_ipc, check_server, check_structured  # noqa: E402
 from gpu_check_throughput import check_decode, check_nano_bench  # noqa: E402
 
@@ -186,6 +191,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "structured": (15, lambda: check_structured(rec, work)),
             "exact": (25, lambda: check_exact(rec, folder)),
             "moe": (10, lambda: check_moe(rec)),
+            "quantized": (35, lambda: check_quantized_section(rec, folder)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
             "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}
