@@ -31,6 +31,10 @@
 
 #include "cpu_bf16.h"
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #define PANEL 16
 #define K_BLOCK 64
 
@@ -59,6 +63,32 @@ typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 typedef int8_t vchar __attribute__((vector_size(LANES)));
 typedef uint8_t vbyte __attribute__((vector_size(LANES)));
 
+/* LANES bytes from `from`, each widened to 32 bits, sign-extended or zero-extended: one
+ * vpmovsxbd / vpmovzxbd (gcc 12 builds __builtin_convertvector of bytes lane by lane). */
+static inline vint widen_signed(const int8_t *from) {
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)from));
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)from));
+#else
+    vchar small;
+    memcpy(&small, from, sizeof small);
+    return __builtin_convertvector(small, vint);
+#endif
+}
+
+static inline vuint widen_unsigned(const uint8_t *from) {
+#if defined(__AVX512F__)
+    return (vuint)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)from));
+#elif defined(__AVX2__)
+    return (vuint)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)from));
+#else
+    vbyte bytes;
+    memcpy(&bytes, from, sizeof bytes);
+    return __builtin_convertvector(bytes, vuint);
+#endif
+}
+
 static inline vfloat as_float(vuint bits) {
     vfloat value;
     memcpy(&value, &bits, sizeof value);
@@ -75,8 +105,8 @@ static inline vuint as_bits(vfloat value) {
  * as float32. A normal one (exponent e > 0) is the float32 of exponent e + 120 and its
  * mantissa bits; a subnormal one, m 2^-9, is the normal float32 2^-6 (1 + m / 8) less 2^-6
  * (exact). */
-static inline vfloat fp8_to_float(vbyte bytes) {
-    const vuint wide = __builtin_convertvector(bytes, vuint);
+static inline vfloat fp8_to_float(const uint8_t *from) {
+    const vuint wide = widen_unsigned(from);
     const vuint magnitude = wide & 0x7f;
     const vuint bits = (magnitude << 20) + (120u << 23);
     const vfloat normal = as_float(bits);
@@ -93,16 +123,10 @@ static inline vfloat load_vector(const void *from, int64_t index, const int form
         memcpy(&value, (const float *)from + index, sizeof value);
         return value;
     }
-    if (format == INT8) {
-        vchar small;
-        memcpy(&small, (const int8_t *)from + index, sizeof small);
-        return __builtin_convertvector(__builtin_convertvector(small, vint), vfloat);
-    }
-    if (format == FP8) {
-        vbyte bytes;
-        memcpy(&bytes, (const uint8_t *)from + index, sizeof bytes);
-        return fp8_to_float(bytes);
-    }
+    if (format == INT8)
+        return __builtin_convertvector(widen_signed((const int8_t *)from + index), vfloat);
+    if (format == FP8)
+        return fp8_to_float((const uint8_t *)from + index);
     vhalf half;
     memcpy(&half, (const uint16_t *)from + index, sizeof half);
     const vuint wide = __builtin_convertvector(half, vuint) << 16;
