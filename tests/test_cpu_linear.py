@@ -144,15 +144,24 @@ def test_the_panel_kernel_of_8_bit_weights_equals_the_float64_dequantized_matmul
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
-def test_every_fp8_code_converts_exactly_subnormals_included():
-    # The 254 finite e4m3 codes (the 8 subnormals among them: exponent field 0), each picked
-    # out by a one-hot row: the kernel's conversion is exact, with no float32 denormal.
+@pytest.mark.parametrize("flush_denormals", [False, True])
+def test_every_fp8_code_converts_exactly_subnormals_included(flush_denormals):
+    # The 254 finite e4m3 codes (+-0 and 14 subnormals among them: exponent field 0), each
+    # picked out by a one-hot row: the kernel's conversion is exact, even with the CPU's
+    # denormals flushed (DAZ and FTZ, on the one thread the kernel runs on).
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[~codes.float().isnan()]
-    assert (finite.view(torch.uint8) & 0x78 == 0).sum() == 16  # +-0 and 14 subnormals
+    assert (finite.view(torch.uint8) & 0x78 == 0).sum() == 16
     weight = finite.repeat(20, 1)  # 20 outputs: a full panel and a padded one
-    out = cpu_linear.panel_linear(torch.eye(len(finite)), cpu_linear.panel_layout(weight), 20,
-                                  None, torch.ones(20))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.set_flush_denormal(flush_denormals)
+        out = cpu_linear.panel_linear(torch.eye(len(finite)), cpu_linear.panel_layout(weight),
+                                      20, None, torch.ones(20))
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
     assert torch.equal(out, finite.float()[:, None].expand(-1, 20))
 
 

@@ -13,10 +13,10 @@
  * instructions (AVX2) torch's own bfloat16 F.linear ran at 13-18 GFLOP/s, a tenth of this.
  *
  * 8-bit weights (quantized weights, kernels/quantization.py) are converted to float32 in
- * registers as they are loaded: int8 by sign extension and conversion, fp8 e4m3 by placing
- * its exponent and mantissa bits in a float32 (its subnormals, exponent field 0, by the same
- * bits one binade up less 2^-6: exact, with no float32 denormal anywhere, which -ffast-math
- * may flush). The products sum in float32 in the same K blocks; each output is multiplied by
+ * registers as they are loaded: int8 by sign extension and conversion, fp8 e4m3 by moving its
+ * bits into a float16 and converting that (fp8_to_float: exact, subnormals included, with no
+ * float32 denormal anywhere, which -ffast-math may flush). The products sum in float32 in
+ * the same K blocks; each output is multiplied by
  * its channel's scale once, at the end, then the bias is added. A decode step of a few rows
  * is bound by reading the weights, so a quarter of float32's bytes is the point.
  *
@@ -63,8 +63,8 @@ typedef uint16_t vhalf __attribute__((vector_size(LANES * 2)));
 typedef int8_t vchar __attribute__((vector_size(LANES)));
 typedef uint8_t vbyte __attribute__((vector_size(LANES)));
 
-/* LANES bytes from `from`, each widened to 32 bits, sign-extended or zero-extended: one
- * vpmovsxbd / vpmovzxbd (gcc 12 builds __builtin_convertvector of bytes lane by lane). */
+/* LANES bytes from `from`, each sign-extended to 32 bits: one vpmovsxbd on x86 (gcc 12
+ * builds __builtin_convertvector of bytes lane by lane). */
 static inline vint widen_signed(const int8_t *from) {
 #if defined(__AVX512F__)
     return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)from));
@@ -74,18 +74,6 @@ static inline vint widen_signed(const int8_t *from) {
     vchar small;
     memcpy(&small, from, sizeof small);
     return __builtin_convertvector(small, vint);
-#endif
-}
-
-static inline vuint widen_unsigned(const uint8_t *from) {
-#if defined(__AVX512F__)
-    return (vuint)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)from));
-#elif defined(__AVX2__)
-    return (vuint)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)from));
-#else
-    vbyte bytes;
-    memcpy(&bytes, from, sizeof bytes);
-    return __builtin_convertvector(bytes, vuint);
 #endif
 }
 
@@ -102,11 +90,27 @@ static inline vuint as_bits(vfloat value) {
 }
 
 /* LANES fp8 e4m3 values (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities)
- * as float32. A normal one (exponent e > 0) is the float32 of exponent e + 120 and its
- * mantissa bits; a subnormal one, m 2^-9, is the normal float32 2^-6 (1 + m / 8) less 2^-6
- * (exact). */
+ * as float32. On x86 through half precision: the byte's bits moved into a float16's (sign
+ * to bit 15, exponent and mantissa to bits 13..7) are the value times 2^-8 (bias 15
+ * against 7), a subnormal e4m3 (exponent field 0) becoming a subnormal float16, which the
+ * hardware conversion (vcvtph2ps) takes exactly whatever MXCSR's denormal flags say; the
+ * float32 is then scaled by 2^8, exactly. Elsewhere in float32 integers: a normal value is
+ * the float32 of exponent e + 120 and its mantissa bits; a subnormal one, m 2^-9, is the
+ * normal float32 2^-6 (1 + m / 8) less 2^-6 (exact). Neither meets a float32 denormal. */
 static inline vfloat fp8_to_float(const uint8_t *from) {
-    const vuint wide = widen_unsigned(from);
+#if defined(__AVX512F__)
+    const __m256i words = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)from));
+    const __m256i half = _mm256_and_si256(_mm256_slli_epi16(words, 7),
+                                          _mm256_set1_epi16((short)0xbf80));
+    return (vfloat)_mm512_mul_ps(_mm512_cvtph_ps(half), _mm512_set1_ps(256.0f));
+#elif defined(__AVX2__) && defined(__F16C__)
+    const __m128i words = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)from));
+    const __m128i half = _mm_and_si128(_mm_slli_epi16(words, 7), _mm_set1_epi16((short)0xbf80));
+    return (vfloat)_mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+#else
+    vbyte bytes;
+    memcpy(&bytes, from, sizeof bytes);
+    const vuint wide = __builtin_convertvector(bytes, vuint);
     const vuint magnitude = wide & 0x7f;
     const vuint bits = (magnitude << 20) + (120u << 23);
     const vfloat normal = as_float(bits);
@@ -114,6 +118,7 @@ static inline vfloat fp8_to_float(const uint8_t *from) {
     const vuint is_subnormal = (vuint)(magnitude < 8); /* all ones where the exponent is 0 */
     const vuint chosen = (as_bits(subnormal) & is_subnormal) | (as_bits(normal) & ~is_subnormal);
     return as_float(chosen | ((wide & 0x80) << 24));
+#endif
 }
 
 /* LANES weights from element `index` of `from`, stored in `format`, as float32. */
