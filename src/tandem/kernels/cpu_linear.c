@@ -29,6 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <omp.h>
+
 #include "cpu_bf16.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -49,6 +51,11 @@
 #define PAIRED 1
 #endif
 #define VECTORS (PANEL / LANES)
+/* Panels side by side for a single row: each output sums its own products in order, so
+ * more panels at once only means more independent chains of fused multiply-adds, which a
+ * row of 8-bit weights (converted in registers, not waiting on memory) needs to keep the
+ * FMA units busy; the bits are those of any other grouping. */
+#define WIDE (2 * PAIRED)
 
 /* The weights' formats, as cpu_linear.py's WEIGHT_FORMATS. */
 #define F32 0
@@ -151,7 +158,7 @@ static inline void store_scalar(void *to, int64_t index, float value, const int 
 }
 
 /* Rows [0, rows) of float32 x (row m at x + m * x_stride; rows <= BLOCK_ROWS) times
- * `count` adjacent panels (at most PAIRED), the first at element `panel` of `panels`:
+ * `count` adjacent panels (at most PAIRED; WIDE for one row), the first at element `panel` of `panels`:
  * out[m][column + j] (row m at element out_first + m * out_stride) for j < width (the last
  * panel may be partial: its padding columns are zero weights, never written). Each output
  * is its products summed in K_BLOCK blocks, the blocks then added in order: the same bits
@@ -163,18 +170,18 @@ static inline __attribute__((always_inline)) void panel_rows(
         int64_t in, const float *scales, const void *bias, int64_t column, void *out,
         int64_t out_first, int64_t out_stride, int width, const int rows, const int count,
         const int format, const int bf16) {
-    vfloat total[BLOCK_ROWS][PAIRED * VECTORS];
+    vfloat total[BLOCK_ROWS][WIDE * VECTORS];
     for (int m = 0; m < rows; m++)
         for (int v = 0; v < count * VECTORS; v++)
             total[m][v] = (vfloat){0};
     for (int64_t start = 0; start < in; start += K_BLOCK) {
         const int64_t stop = start + K_BLOCK < in ? start + K_BLOCK : in;
-        vfloat block[BLOCK_ROWS][PAIRED * VECTORS];
+        vfloat block[BLOCK_ROWS][WIDE * VECTORS];
         for (int m = 0; m < rows; m++)
             for (int v = 0; v < count * VECTORS; v++)
                 block[m][v] = (vfloat){0};
         for (int64_t k = start; k < stop; k++) {
-            vfloat w[PAIRED * VECTORS];
+            vfloat w[WIDE * VECTORS];
             for (int q = 0; q < count; q++)
                 for (int v = 0; v < VECTORS; v++)
                     w[q * VECTORS + v] = load_vector(
@@ -190,7 +197,7 @@ static inline __attribute__((always_inline)) void panel_rows(
                 total[m][v] += block[m][v];
     }
     for (int m = 0; m < rows; m++) {
-        float sums[PAIRED * PANEL];
+        float sums[WIDE * PANEL];
         memcpy(sums, total[m], count * PANEL * sizeof(float));
         for (int j = 0; j < width; j++) {
             const float b = bias ? load_scalar(bias, column + j, bf16) : 0.0f;
@@ -201,7 +208,7 @@ static inline __attribute__((always_inline)) void panel_rows(
 }
 
 /* Rows [first, first + rows) of x times `count` panels from p, BLOCK_ROWS at a time, then
- * 4, 2, 1. */
+ * 4, 2, 1 (more than PAIRED panels: one row only). */
 static inline __attribute__((always_inline)) void panel_times_rows(
         const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
         const void *panels, int64_t p, const int count, int64_t out_features,
@@ -211,47 +218,53 @@ static inline __attribute__((always_inline)) void panel_times_rows(
     const int64_t left = out_features - column;
     const int width = left < count * PANEL ? (int)left : count * PANEL;
     int64_t r = first;
-    for (; r + BLOCK_ROWS <= stop; r += BLOCK_ROWS)
-        panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
-                   out, r * out_stride, out_stride, width, BLOCK_ROWS, count, format, bf16);
-    for (; r + 4 <= stop; r += 4)
-        panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
-                   out, r * out_stride, out_stride, width, 4, count, format, bf16);
-    for (; r + 2 <= stop; r += 2)
-        panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
-                   out, r * out_stride, out_stride, width, 2, count, format, bf16);
+    if (count <= PAIRED) {
+        for (; r + BLOCK_ROWS <= stop; r += BLOCK_ROWS)
+            panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
+                       out, r * out_stride, out_stride, width, BLOCK_ROWS, count, format,
+                       bf16);
+        for (; r + 4 <= stop; r += 4)
+            panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
+                       out, r * out_stride, out_stride, width, 4, count, format, bf16);
+        for (; r + 2 <= stop; r += 2)
+            panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
+                       out, r * out_stride, out_stride, width, 2, count, format, bf16);
+    }
     for (; r < stop; r++)
         panel_rows(x + r * x_stride, x_stride, panels, panel, in, scales, bias, column,
                    out, r * out_stride, out_stride, width, 1, count, format, bf16);
 }
 
-/* Rows [first, first + rows) times the panels of group g: PAIRED panels from g * PAIRED,
- * or the one left at the end. */
-static inline __attribute__((always_inline)) void group_times_rows(
+/* Rows [first, first + rows) times panels [lo, hi): WIDE at a time for a single row, else
+ * PAIRED at a time, then one by one. */
+static inline __attribute__((always_inline)) void panels_times_rows(
         const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
-        const void *panels, int64_t g, int64_t num_panels, int64_t out_features,
+        const void *panels, int64_t lo, int64_t hi, int64_t out_features,
         const float *scales, const void *bias, void *out, int64_t out_stride,
         const int format, const int bf16) {
-    int64_t p = g * PAIRED;
-    if (p + PAIRED <= num_panels)
+    int64_t p = lo;
+    if (rows == 1)
+        for (; p + WIDE <= hi; p += WIDE)
+            panel_times_rows(x, x_stride, first, rows, in, panels, p, WIDE, out_features,
+                             scales, bias, out, out_stride, format, bf16);
+    for (; p + PAIRED <= hi; p += PAIRED)
         panel_times_rows(x, x_stride, first, rows, in, panels, p, PAIRED, out_features,
                          scales, bias, out, out_stride, format, bf16);
-    else
-        for (; p < num_panels; p++) /* PAIRED > 1 only: the odd one out */
-            panel_times_rows(x, x_stride, first, rows, in, panels, p, 1, out_features, scales,
-                             bias, out, out_stride, format, bf16);
+    for (; p < hi; p++)
+        panel_times_rows(x, x_stride, first, rows, in, panels, p, 1, out_features, scales,
+                         bias, out, out_stride, format, bf16);
 }
 
-/* group_times_rows for the weight format given at run time, each format compiled as a
+/* panels_times_rows for the weight format given at run time, each format compiled as a
  * constant (the activations' dtype only matters at the stores). */
-static void group_times_rows_as(
+static void panels_times_rows_as(
         const float *x, int64_t x_stride, int64_t first, int64_t rows, int64_t in,
-        const void *panels, int64_t g, int64_t num_panels, int64_t out_features,
+        const void *panels, int64_t lo, int64_t hi, int64_t out_features,
         const float *scales, const void *bias, void *out, int64_t out_stride,
         const int format, const int bf16) {
 #define TIMES_ROWS(FORMAT)                                                                    \
-    group_times_rows(x, x_stride, first, rows, in, panels, g, num_panels, out_features,       \
-                     scales, bias, out, out_stride, FORMAT, bf16)
+    panels_times_rows(x, x_stride, first, rows, in, panels, lo, hi, out_features, scales,     \
+                      bias, out, out_stride, FORMAT, bf16)
     if (format == F32)
         TIMES_ROWS(F32);
     else if (format == BF16)
@@ -296,18 +309,21 @@ int32_t tandem_grouped_panel_linear(const void *x, int64_t x_stride, const int64
         x_stride = in;
     }
     const float *x32 = bf16 ? converted : (const float *)x;
-    const int64_t num_groups = (num_panels + PAIRED - 1) / PAIRED;
 #pragma omp parallel num_threads(num_threads)
-    for (int64_t e = 0; e < num_experts; e++) {
-        const void *own = (const char *)panels + e * expert_stride * element;
-        const float *own_scales = scales ? scales + e * out_features : NULL;
-        for (int64_t first = offsets[e]; first < offsets[e + 1]; first += tile) {
-            const int64_t count = offsets[e + 1] - first < tile ? offsets[e + 1] - first : tile;
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < num_groups; g++)
-                group_times_rows_as(x32, x_stride, first, count, in, own, g, num_panels,
-                                    out_features, own_scales, bias, out, out_stride, format,
-                                    bf16);
+    {
+        /* each thread its own run of panels, the same for every tile and expert */
+        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();
+        const int64_t lo = num_panels * id / threads, hi = num_panels * (id + 1) / threads;
+        for (int64_t e = 0; e < num_experts; e++) {
+            const void *own = (const char *)panels + e * expert_stride * element;
+            const float *own_scales = scales ? scales + e * out_features : NULL;
+            for (int64_t first = offsets[e]; first < offsets[e + 1]; first += tile) {
+                const int64_t count = offsets[e + 1] - first < tile ? offsets[e + 1] - first
+                                                                    : tile;
+                panels_times_rows_as(x32, x_stride, first, count, in, own, lo, hi,
+                                     out_features, own_scales, bias, out, out_stride, format,
+                                     bf16);
+            }
         }
     }
     free(converted);
