@@ -260,10 +260,14 @@ def test_fp8_below_compute_capability_8_9_is_refused_naming_int8(monkeypatch, ca
             check_quantized(triton, torch.device("cuda"), method)
     else:
         check_quantized(triton, torch.device("cuda"), method)
+
+
+def test_the_torch_references_on_cuda_are_refused_naming_the_triton_kernels():
     torch_on_cuda = KernelOps(TORCH_OPS.attention, replace(TORCH_OPS.layers,
                                                            cpu_linear_layouts=False))
-    with pytest.raises(ValueError, match="needs the Triton kernels on CUDA"):
-        check_quantized(torch_on_cuda, torch.device("cuda"), method)
+    with pytest.raises(ValueError, match="needs the Triton kernels on CUDA, not 'torch': use "
+                                         "attention_backend='auto'"):
+        check_quantized(torch_on_cuda, torch.device("cuda"), "int8")
 
 
 # --- exact log-probs and LoRA -------------------------------------------------------------
