@@ -36,10 +36,14 @@ the matmul floor's ms/token over the engine's. "others' CPU" is the
 share of the machine's CPU time other processes used during the timed call; trust only rows
 where it is near 0%.
 
+``--quantization int8 fp8`` adds a Tandem row per 8-bit weight format
+(``EngineConfig.quantization``), timed in the same process after the unquantized one.
+
 Run::
 
     python benchmarks/cpu_latency.py
     python benchmarks/cpu_latency.py --dtype bfloat16
+    python benchmarks/cpu_latency.py --quantization int8 fp8 --repeats 3
     python benchmarks/cpu_latency.py --vllm-python .venv-vllm/bin/python
 """
 
@@ -66,6 +70,7 @@ from matmul_floor import floor_seconds
 from transformers import AutoTokenizer, GenerationConfig
 from vllm_reference import ReferenceRequest, run_reference
 
+from tandem.kernels.quantization import QUANTIZATIONS
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.worker.memory import CPU_KV_CACHE_BYTES
 
@@ -85,6 +90,8 @@ def parse_args() -> argparse.Namespace:
                         help="timed calls per engine after the warm-up; the median is reported")
     parser.add_argument("--vllm-python", default=None, metavar="PATH",
                         help=f"vLLM's venv interpreter: add a {VLLM} row")
+    parser.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=(),
+                        help="add a Tandem row with 8-bit weights in each format")
     return parser.parse_args()
 
 
@@ -99,9 +106,11 @@ def read_bandwidth() -> float:
     return BANDWIDTH_BYTES / best
 
 
-def bench_tandem(dtype: str, prompt_ids: list[int], repeats: int) -> Run:
-    """Time Tandem's greedy ``LLM.generate`` of exactly ``NEW_TOKENS`` tokens."""
-    llm = LLM(str(model_folder()), dtype=dtype)
+def bench_tandem(dtype: str, prompt_ids: list[int], repeats: int,
+                 quantization: str | None = None) -> Run:
+    """Time Tandem's greedy ``LLM.generate`` of exactly ``NEW_TOKENS`` tokens (with 8-bit
+    weights in ``quantization``)."""
+    llm = LLM(str(model_folder()), dtype=dtype, quantization=quantization)
     report_linear_layout(llm)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS)
 
@@ -177,6 +186,8 @@ def main() -> None:
     prompt_ids = chat_prompt_ids(tokenizer, MESSAGE)
     bandwidth = read_bandwidth()
     runs = {"tandem": bench_tandem(args.dtype, prompt_ids, args.repeats)}
+    for method in args.quantization:
+        runs[f"tandem {method}"] = bench_tandem(args.dtype, prompt_ids, args.repeats, method)
     model = load_hf_model(folder, args.dtype)
     runs["generate"] = bench_generate(model, prompt_ids, args.repeats)
     if args.vllm_python:

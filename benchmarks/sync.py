@@ -23,6 +23,8 @@ Paths:
   the row times rebuilding every one of them after an in-process copy, a cost the update
   rows leave out and the next step pays. Measured before the alias row: an aliased engine
   serves unpacked weights from then on.
+- in-process copy into an engine with 8-bit weights (``quantization`` int8 and fp8): the
+  same float update, quantized in the commit; with its CPU repack (8-bit panels).
 
 "Every weight" is the engine's parameters (tied embeddings once), as a trainer holds them.
 Each path runs once untimed, then ``--repeats`` timed pushes; the median is kept.
@@ -49,6 +51,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tandem.kernels.quantization import QUANTIZATIONS
 from tandem.rollout import LLM
 from tandem.rollout.default_model import embedded_model_dir
 from tandem.sync import LoraSpec, LoraSync, WeightReceiver, WeightSender
@@ -126,7 +129,21 @@ def in_process_rows(folder: Path, repeats: int,
         rows.append(("CPU repack (next step)", total, repack_seconds(llm, state, repeats)))
     rows.append(("in-process alias", total, median_seconds(
         lambda: llm.update_weights(state.items(), alias=True), repeats, device)))
-    return state, rows
+    return state, rows + quantized_rows(folder, state, repeats, device)
+
+
+def quantized_rows(folder: Path, state: dict[str, torch.Tensor], repeats: int,
+                   device: str) -> list:
+    """The in-process copy (and on CPU the repack) into an engine of each 8-bit format."""
+    rows, total = [], gigabytes(state.values())
+    for method in QUANTIZATIONS:
+        llm = LLM(str(folder), device=device, quantization=method, **ENGINE_OPTIONS)
+        rows.append((f"in-process copy, {method} engine", total, median_seconds(
+            lambda llm=llm: llm.update_weights(state.items()), repeats, device)))
+        if device == "cpu":
+            rows.append((f"CPU repack, {method} engine", total,
+                         repack_seconds(llm, state, repeats)))
+    return rows
 
 
 def repack_seconds(llm: LLM, state: dict[str, torch.Tensor], repeats: int) -> float:
@@ -187,12 +204,12 @@ def main() -> None:
     torch.set_num_threads(NUM_THREADS)
     models = {"SmolLM2-135M (embedded)": Path(embedded_model_dir()),
               "Qwen2.5-0.5B shape (random)": qwen25_05b_shaped_folder()}
-    print(f"{'model':<28} {'path':<30} {'GB':>6} {'seconds':>8} {'GB/s':>6}")
+    print(f"{'model':<28} {'path':<32} {'GB':>6} {'seconds':>8} {'GB/s':>6}")
     for model, folder in models.items():
         state, rows = in_process_rows(folder, args.repeats, args.device)
         rows.append(two_process_row(folder, state, args.repeats, args.device))
         for path, size, seconds in rows:
-            print(f"{model:<28} {path:<30} {size:>6.3f} {seconds:>8.3f} {size / seconds:>6.2f}",
+            print(f"{model:<28} {path:<32} {size:>6.3f} {seconds:>8.3f} {size / seconds:>6.2f}",
                   flush=True)
     print(ANCHORS)
 

@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels import cpu_build, cpu_linear
+from tandem.kernels import cpu_build, cpu_linear, quantization
 from tandem.kernels.cpu_linear import PackedWeight
 from tandem.kernels.testing import TOLERANCE, relative_error
 from tandem.rollout import LLM
+from tandem.rollout.worker.models.layers import Linear
 
 from .test_weight_update import completions, fresh_completions, trainer_model
 
@@ -112,6 +113,94 @@ def test_grouped_experts_each_equal_the_float64_matmul_and_their_rows_alone(coun
         for row in range(start, stop):  # the same bits as the row multiplied alone
             alone = cpu_linear.panel_linear(x[row:row + 1], panels[expert], 37, None)
             assert torch.equal(out[row:row + 1], alone)
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 64])
+@pytest.mark.parametrize(("out_features", "bias"), [(37, True), (48, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("method", quantization.QUANTIZATIONS)
+def test_the_panel_kernel_of_8_bit_weights_equals_the_float64_dequantized_matmul(
+        rows, out_features, bias, dtype, method):
+    # 8-bit codes converted in registers, summed in float32, each output scaled once:
+    # against float64 on the dequantized weight (scale x code), all through the same edges
+    # as the float kernel; per-channel scales over five decades.
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, 100, generator=generator) * torch.logspace(
+        -2, 3, out_features)[:, None]
+    codes, scale = quantization.quantize(weight, method)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, 100, generator=generator).to(dtype)
+    out = cpu_linear.panel_linear(x, cpu_linear.panel_layout(codes), out_features, b, scale)
+    served = codes.double() * scale.double()[:, None]
+    expected = F.linear(x.double(), served, None if b is None else b.double())
+    assert out.dtype == dtype
+    if dtype == torch.float32:
+        assert ((out.double() - expected).abs() <= 1e-6 * expected.abs() + 1e-6 * (
+            x.double().abs() @ served.abs().t())).all()
+    else:  # within one bfloat16 unit in the last place of the rounded exact result
+        ulp = expected.abs().clamp_min(1e-3) * 2.0**-7
+        assert ((out.double() - expected).abs() <= ulp).all()
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("flush_denormals", [False, True])
+def test_every_fp8_code_converts_exactly_subnormals_included(flush_denormals):
+    # The 254 finite e4m3 codes (+-0 and 14 subnormals among them: exponent field 0), each
+    # picked out by a one-hot row: the kernel's conversion is exact, even with the CPU's
+    # denormals flushed (DAZ and FTZ, on the one thread the kernel runs on).
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~codes.float().isnan()]
+    assert (finite.view(torch.uint8) & 0x78 == 0).sum() == 16
+    weight = finite.repeat(20, 1)  # 20 outputs: a full panel and a padded one
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.set_flush_denormal(flush_denormals)
+        out = cpu_linear.panel_linear(torch.eye(len(finite)), cpu_linear.panel_layout(weight),
+                                      20, None, torch.ones(20))
+    finally:
+        torch.set_flush_denormal(False)
+        torch.set_num_threads(threads)
+    assert torch.equal(out, finite.float()[:, None].expand(-1, 20))
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("method", quantization.QUANTIZATIONS)
+def test_8_bit_panels_refuse_missing_scales_and_scales_refuse_float_panels(method):
+    codes, scale = quantization.quantize(torch.randn(16, 8), method)
+    with pytest.raises(ValueError, match="panels take float32 scales"):
+        cpu_linear.panel_linear(torch.randn(1, 8), cpu_linear.panel_layout(codes), 16, None)
+    with pytest.raises(ValueError, match="panels take no scales"):
+        cpu_linear.panel_linear(torch.randn(1, 8), cpu_linear.panel_layout(torch.randn(16, 8)),
+                                16, None, scale)
+
+
+@pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")
+@pytest.mark.parametrize("method", quantization.QUANTIZATIONS)
+def test_a_packed_weight_of_quantized_layers_follows_their_codes_and_scales(method):
+    # q/k/v quantized each on its own, packed as one: side by side, and rebuilt after an
+    # in-place write of one layer's codes and scale (a weight update's commit).
+    generator = torch.Generator().manual_seed(3)
+    layers = [Linear(40, out, bias=index == 0) for index, out in enumerate((48, 16, 16))]
+    for layer in layers:
+        layer.quantize(method)
+    packed, x = PackedWeight(layers, "panels"), torch.randn(5, 40, generator=generator)
+
+    def expected() -> torch.Tensor:
+        return torch.cat([F.linear(x.double(), layer.weight.double()
+                                   * layer.weight_scale.double()[:, None],
+                                   None if layer.bias is None else layer.bias.double())
+                          for layer in layers], dim=-1)
+
+    torch.testing.assert_close(packed(x).double(), expected(), rtol=1e-6, atol=1e-5)
+    codes, scale = quantization.quantize(torch.randn(16, 40, generator=generator), method)
+    with torch.no_grad():
+        layers[2].weight.copy_(codes)
+        layers[2].weight_scale.copy_(scale)
+    torch.testing.assert_close(packed(x).double(), expected(), rtol=1e-6, atol=1e-5)
+    with pytest.raises(TypeError, match="through the panels only"):
+        PackedWeight(layers, "onednn")(x)
 
 
 @pytest.mark.skipif(not cpu_build.available(), reason="no C compiler")

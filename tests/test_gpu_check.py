@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"kernels", "tokens", "memory", "lifecycle", "updates", "ipc", "bandwidth", "decode",
-            "nano_bench", "server", "grpo", "structured", "exact", "moe", "fp8_kv", "resources",
-            "qwen3_8b", "tensor_parallel"}
+            "nano_bench", "server", "grpo", "structured", "exact", "moe", "fp8_kv", "quantized",
+            "resources", "qwen3_8b", "tensor_parallel"}
 
 
 @pytest.fixture(scope="module")

@@ -373,3 +373,27 @@ def test_engine_on_a_cuda_device_one_block_short_of_max_model_len_refuses_to_sta
         LLMEngine(config)
     for fragment in ("max_model_len=512", "gpu_memory_utilization", "lower max_model_len"):
         assert fragment in str(error.value)
+
+
+def test_a_quantized_engine_plans_the_8_bit_weights_it_holds_and_float_staging(
+        model_dir, monkeypatch):
+    # The plan's weights are what the runner holds (8-bit projections, their scales, the
+    # rest in the model's dtype); staging is a full update as the trainer sends it, in the
+    # model's dtype; the KV pool gets what the smaller weights leave.
+    monkeypatch.setattr(engine_module, "make_runner", cpu_runner_for_cuda)
+    pools = {}
+    for quantization in (None, "int8"):
+        config = EngineConfig(model=str(model_dir("llama")), device="cuda", block_size=BLOCK_SIZE,
+                              gpu_memory_utilization=0.3, max_num_seqs=64,
+                              quantization=quantization)
+        with fake_cuda_device(2 * GIB, 2 * GIB):
+            engine = LLMEngine(config)
+        plan, model = engine.memory_plan, engine.runner.model
+        scales = sum(layer.weight_scale.numel() * 4 for layer in model.quantized_layers()
+                     if layer.weight_scale is not None)
+        assert plan.weight_bytes == held_parameter_bytes(model) + scales
+        assert plan.staging_bytes == sum(p.numel() * 4 for p in model.parameters())
+        pools[quantization] = plan.kv_cache_bytes
+    projections = sum(layer.weight.numel() for layer in model.quantized_layers())
+    channels = sum(layer.out_features for layer in model.quantized_layers())
+    assert pools["int8"] - pools[None] == 3 * projections - 4 * channels

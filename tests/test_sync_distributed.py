@@ -40,11 +40,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def engine_process(folder: str, port: int, conn: Connection) -> None:
-    """An engine in its own process: on each command, receives an update, generates, or
-    returns its weights."""
+def engine_process(folder: str, port: int, conn: Connection, options: dict | None = None
+                   ) -> None:
+    """An engine (of ``options``) in its own process: on each command, receives an update,
+    generates, or returns its weights."""
     torch.set_num_threads(1)
-    llm = LLM(folder)
+    llm = LLM(folder, **(options or {}))
     conn.send("ready")
     receiver = WeightReceiver(llm, HOST, port, world_size=2, rank=1, timeout=TIMEOUT)
     for command in iter(conn.recv, "stop"):
@@ -108,10 +109,11 @@ def child(target, folder: Path, *args) -> Iterator[tuple[int, Connection, mp.Pro
 
 
 @contextmanager
-def remote_engine(folder: Path, device: str = "cpu"
+def remote_engine(folder: Path, device: str = "cpu", options: dict | None = None
                   ) -> Iterator[tuple[WeightSender, Connection]]:
-    """A sender on ``device`` here and an engine (``engine_process``) in a child process."""
-    with child(engine_process, folder) as (port, conn, _):
+    """A sender on ``device`` here and an engine (``engine_process``, of ``options``) in a
+    child process."""
+    with child(engine_process, folder, options) as (port, conn, _):
         yield WeightSender(HOST, port, 2, device, BUCKET_BYTES, TIMEOUT), conn
 
 
@@ -173,6 +175,21 @@ def test_update_across_processes_equals_fresh_engine_from_saved_weights(llama_di
     assert len(sender.layout.buckets) > 3 and version == 1
     assert after != before
     assert after == fresh_completions(trainer, llama_dir, tmp_path)
+
+
+def test_a_quantized_engine_quantizes_what_the_sender_sends(llama_dir, tmp_path):
+    # The trainer sends float weights; the receiving engine quantizes them in its commit:
+    # it then serves what a fresh quantized engine on the saved weights serves.
+    trainer = trainer_model(llama_dir, seed=8)
+    with remote_engine(llama_dir, options={"quantization": "int8"}) as (sender, conn):
+        before, _ = remote_completions(conn)
+        assert push(sender, conn, trainer.state_dict().items()) == (1, 1)
+        after, _ = remote_completions(conn)
+    trainer.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    assert after != before
+    assert after == completions(LLM(str(tmp_path), quantization="int8"))
 
 
 @pytest.mark.parametrize("sender_device", SENDER_DEVICES)

@@ -131,6 +131,22 @@ def test_a_full_update_under_tp_equals_a_fresh_tp_engine(kind, model_dir, one_kv
     assert after == greedy(LLM(str(tmp_path), tensor_parallel_size=2, **OPTIONS))
 
 
+def test_a_quantized_tp_engine_quantizes_each_ranks_slices_at_load_and_update(model_dir,
+                                                                            tmp_path):
+    # Each rank quantizes its own slices (a row-split projection's scales are of its half of
+    # the inputs), at load and in the commit alike: an update equals a fresh engine.
+    folder = model_dir("llama")
+    llm = LLM(str(folder), tensor_parallel_size=2, quantization="int8", **OPTIONS)
+    single = LLM(str(folder), quantization="int8", **OPTIONS)
+    assert greedy(llm) == greedy(single)
+    trainer = trainer_model(folder, seed=4)
+    assert llm.update_weights(trainer.state_dict().items()) == 1
+    trainer.save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    assert greedy(llm) == greedy(LLM(str(tmp_path), tensor_parallel_size=2,
+                                     quantization="int8", **OPTIONS))
+
+
 def test_a_slice_one_rank_refuses_is_applied_on_no_rank(model_dir):
     llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
     before = greedy(llm)

@@ -75,6 +75,14 @@ def test_every_jit_function_is_launched_or_called_by_a_launched_kernel(compiled)
             "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"} <= kernels
 
 
+def test_the_8_bit_matmul_compiles_int8_for_both_targets_and_fp8_for_sm90(compiled):
+    # quantization: int8 codes on A100 and H100, fp8 e4m3 where it converts (sm_89+)
+    weights = {(record["pointers"]["weight"], record["target"]) for record in compiled["compiled"]
+               if record["kernel"] == "_linear_kernel" and record["error"] is None}
+    assert {("*i8", "sm_80"), ("*i8", "sm_90"), ("*fp8e4nv", "sm_90")} <= weights
+    assert ("*fp8e4nv", "sm_80") not in weights
+
+
 def test_every_kernel_fits_the_shared_memory_of_a100_and_h100(compiled):
     over = [f"{_describe(record)}: {record['shared']} bytes of shared memory, over "
             f"{SHARED_MEMORY_LIMIT[record['target']]}" for record in compiled["compiled"]

@@ -3,7 +3,8 @@ kernel ahead of time for sm_80 and sm_90 and write the results as JSON.
 
 The launches compiled are the launchers' own. For each model geometry one engine step (norms,
 rotary, ``store_kv``, decode and prefill attention, the split decode and its merge,
-``silu_and_mul``, and exact log-probs' batch-invariant attention and matmul) runs on meta
+``silu_and_mul``, exact log-probs' batch-invariant attention and matmul, and the matmul of
+8-bit weights, int8 for every target and fp8 for sm_90) runs on meta
 tensors with every ``@triton.jit`` function of the kernel modules replaced by a recorder, so
 the constexprs, pointer dtypes, ``num_warps`` and integer specialisations are exactly what
 the engine would launch. Each distinct launch is then
@@ -71,6 +72,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 NUM_DECODES, PREFILL_LEN = 3, 21
 MAX_POSITION = 512
+QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn)
+# fp8 e4m3 converts on compute capability 8.9 and newer only (the engine refuses it below,
+# dispatch.check_quantized): its launches compile for sm_90 alone.
+FP8_TARGETS = ("sm_90",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +91,7 @@ class Geometry:
     dtype: torch.dtype
     qk_norm: bool = False
     block_size: int = DEFAULT_BLOCK_SIZE
-    fp8_kv: bool = False  # a float8_e4m3fn pool (kv_cache_dtype="fp8"), compiled for sm_90 only
-
-    @property
-    def targets(self) -> tuple[str, ...]:
-        """The targets its launches compile for."""
-        return ("sm_90",) if self.fp8_kv else tuple(TARGETS)
+    fp8_kv: bool = False  # a float8_e4m3fn pool (kv_cache_dtype="fp8"): sm_90 only
 
 
 # tests/conftest.py's SMALL (head_dim 16; its qwen3 sets head_dim 32, with q/k norms).
@@ -236,6 +236,10 @@ def run_step(geometry: Geometry) -> None:
     triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=dtype))
     triton_linear.linear(hidden, _meta(g.num_heads * g.head_dim, g.hidden_size, dtype=dtype),
                          _meta(g.num_heads * g.head_dim, dtype=dtype))
+    # 8-bit weights (quantization): their codes and float32 scales, int8 and fp8 e4m3
+    for codes in QUANTIZED_CODES:
+        triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=codes),
+                             None, _meta(g.intermediate_size, dtype=torch.float32))
     # a mixture of experts' grouped matmuls (8 experts, top 2), gate/up then down
     rows = triton_moe.max_pairs(tokens, 2, 8, triton_linear.TILES[dtype][0])
     token_of_row = _meta(rows, dtype=torch.long)
@@ -371,12 +375,19 @@ def unlaunched(launches: list[Launch]) -> list[str]:
                   if kernel not in launched and f"{name}(" not in sources)
 
 
+def launch_targets(launch: Launch) -> tuple[str, ...]:
+    """The targets a launch runs on: every one, but ``FP8_TARGETS`` for fp8 operands."""
+    tensors = [value for value in (*launch.args, *launch.kwargs.values())
+               if isinstance(value, torch.Tensor)]
+    fp8 = any(tensor.dtype == torch.float8_e4m3fn for tensor in tensors)
+    return FP8_TARGETS if fp8 else tuple(TARGETS)
+
+
 def distinct_jobs(launches: list[Launch]) -> list[tuple[CompileJob, Launch]]:
-    """One job per distinct binary: each launch for each of its geometry's targets, repeats
-    dropped."""
+    """One job per distinct binary: each launch for each of its targets, repeats dropped."""
     jobs: dict[str, tuple[CompileJob, Launch]] = {}
     for launch in launches:
-        for target in launch.geometry.targets:
+        for target in launch_targets(launch):
             job = specialise(launch, target)
             jobs.setdefault(job.key(), (job, launch))
     return list(jobs.values())

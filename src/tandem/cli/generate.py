@@ -1,6 +1,5 @@
 """``tandem generate --model M --prompt TEXT [-n 8 ...]``: sample completions, print them and
-the throughput. The engine options it takes (``ENGINE_OPTIONS``) are ``EngineConfig``'s
-fields, help and defaults included."""
+the throughput; the engine options are ``EngineConfig``'s fields."""
 
 from __future__ import annotations
 
@@ -13,7 +12,9 @@ from tandem.rollout.default_model import DEFAULT_MODEL
 
 from .arguments import add_config_arguments
 
-ENGINE_OPTIONS = ("dtype", "device", "kv_cache_dtype")
+# EngineConfig's fields that are not engine options here: the model is its own option, and
+# --seed is each request's.
+NOT_ENGINE_OPTIONS = {"model", "seed"}
 
 
 def add_generate_parser(commands: argparse._SubParsersAction) -> None:
@@ -33,8 +34,7 @@ def add_generate_parser(commands: argparse._SubParsersAction) -> None:
     generate_parser.add_argument("--top-k", type=int, default=0)
     generate_parser.add_argument("--max-tokens", type=int, default=64)
     generate_parser.add_argument("--seed", type=int, default=None, help="per-request seed")
-    others = {field.name for field in dataclasses.fields(EngineConfig)} - set(ENGINE_OPTIONS)
-    add_config_arguments(generate_parser, EngineConfig, skip=others)
+    add_config_arguments(generate_parser, EngineConfig, skip=NOT_ENGINE_OPTIONS)
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -47,7 +47,9 @@ def generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    llm = LLM(args.model, **{field.name: getattr(args, field.name)
+                             for field in dataclasses.fields(EngineConfig)
+                             if field.name not in NOT_ENGINE_OPTIONS})
     start = time.perf_counter()
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in args.prompt]

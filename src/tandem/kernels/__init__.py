@@ -26,6 +26,7 @@ from .dispatch import (
                        LayerKernels,
                        batch_invariance_gap,
                        check_backend,
+                       check_quantized,
                        check_sharded,
                        select_kernels,
 )
@@ -34,5 +35,5 @@ from .fp8_kv import KV_CACHE_DTYPES, check_kv_cache_dtype, kv_cache_dtype
 __all__ = ["BACKENDS", "CPU_OPS", "KV_CACHE_DTYPES", "TORCH_OPS", "AttentionBackend",
            "AttentionMetadata", "BlockRuns", "CascadeLayout", "DecodeBuffers", "KernelOps",
            "LayerKernels", "batch_invariance_gap", "block_runs", "check_backend",
-           "check_kv_cache_dtype", "check_sharded", "kv_cache_dtype", "paged_attention",
-           "pool_layout", "select_kernels", "store_kv"]
+           "check_kv_cache_dtype", "check_quantized", "check_sharded", "kv_cache_dtype",
+           "paged_attention", "pool_layout", "select_kernels", "store_kv"]

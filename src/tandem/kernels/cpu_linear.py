@@ -23,7 +23,9 @@ in ``benchmarks/matmul_floor.py``):
   On an AVX2 EPYC its 6-row register blocks beat oneDNN from 1 to 128 rows (1.15-1.9x) and
   tie it beyond, with one copy of the weights instead of two and a shorter rounding chain
   in the LM head at a GRPO step's 64 rows too; in bfloat16, which that CPU's oneDNN does
-  not pack, they convert as they load and run about 7x faster than ``F.linear``.
+  not pack, they convert as they load and run about 7x faster than ``F.linear``. The only
+  layout of 8-bit weights (``quantization.py``: int8 or fp8 codes beside a float32 scale
+  per output channel, with float32 or bfloat16 activations).
 
 ``fastest_layout`` times the candidates (``None``, plain ``F.linear`` on row-major weights,
 among them) on the model's own leading layers when the engine loads, so each machine gets
@@ -54,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_build
+from .quantization import is_quantized
 
 LAYOUTS = ("transposed", "onednn", "panels")
 COPIES = ("onednn", "panels")  # the layouts that multiply through a copy (PackedWeight)
@@ -69,6 +72,8 @@ PANEL = 16  # output rows per panel, as cpu_linear.c's PANEL
 # In the "onednn" layout, float32 multiplies through the panels up to this many rows: on
 # an AVX2 EPYC faster than oneDNN while the weight's bytes bound the time.
 PANEL_ROWS = 16
+# The panels' weight formats, as cpu_linear.c's F32, BF16, INT8, FP8.
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
 _POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -116,49 +121,74 @@ def panel_layout(weight: torch.Tensor) -> torch.Tensor:
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 bias: torch.Tensor | None) -> torch.Tensor:
+                 bias: torch.Tensor | None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[rows, in]`` (its last dimension contiguous), W given as
-    ``panel_layout(W)`` and b, all float32 or all bfloat16 (``cpu_build.DTYPES``), by the
-    compiled kernel.
+    ``panel_layout(W)`` and b, by the compiled kernel: x, b and the panels all float32 or all
+    bfloat16 (``cpu_build.DTYPES``), or the panels 8-bit codes (int8 or fp8 e4m3) with their
+    float32 ``scales`` ``[out_features]`` (W = scales · codes, ``quantization.py``).
 
     Raises:
+        ValueError: for 8-bit panels without scales, or scales beside float panels.
         MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
     """
+    _check_scales(panels, scales)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = cpu_build.kernel("tandem_panel_linear", (
-        _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _INT, ctypes.c_int32,
-        ctypes.c_int32), ctypes.c_int32)
-    status = kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(),
-                    out_features, None if bias is None else bias.data_ptr(), out.data_ptr(),
-                    out_features, cpu_build.DTYPES[x.dtype], torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("the panel kernel could not allocate its float32 copy of the input")
+        _POINTER, _INT, _INT, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT,
+        ctypes.c_int32, ctypes.c_int32, ctypes.c_int32), ctypes.c_int32)
+    _check(kernel(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(),
+                  out_features, _pointer(scales), _pointer(bias), out.data_ptr(), out_features,
+                  cpu_build.DTYPES[x.dtype], WEIGHT_FORMATS[panels.dtype],
+                  torch.get_num_threads()))
     return out
 
 
 def grouped_panel_linear(x: torch.Tensor, panels: torch.Tensor, offsets: torch.Tensor,
-                         out_features: int) -> torch.Tensor:
+                         out_features: int, scales: torch.Tensor | None = None) -> torch.Tensor:
     """Each expert's rows of ``x`` times its own weight in one call: rows ``offsets[e]`` to
     ``offsets[e + 1]`` of ``x`` ``[rows, in]`` times ``W_e^T``, ``panels`` ``[E, ...]``
-    holding each ``panel_layout(W_e)``, ``offsets`` int64 ``[E + 1]`` from 0. A row's
-    outputs have the bits ``panel_linear`` gives it alone (the mixture of experts' CPU
-    path: one call per projection instead of one per expert).
+    holding each ``panel_layout(W_e)`` (8-bit codes with ``scales`` ``[E, out_features]``,
+    as ``panel_linear``), ``offsets`` int64 ``[E + 1]`` from 0. A row's outputs have the
+    bits ``panel_linear`` gives it alone (the mixture of experts' CPU path: one call per
+    projection instead of one per expert).
 
     Raises:
+        ValueError: for 8-bit panels without scales, or scales beside float panels.
         MemoryError: when the kernel cannot allocate its float32 copy of a bfloat16 ``x``.
     """
+    _check_scales(panels, scales)
     out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
     kernel = cpu_build.kernel("tandem_grouped_panel_linear", (
-        _POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER, _INT,
-        ctypes.c_int32, ctypes.c_int32), ctypes.c_int32)
+        _POINTER, _INT, _POINTER, _INT, _INT, _POINTER, _INT, _INT, _POINTER, _POINTER,
+        _POINTER, _INT, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32), ctypes.c_int32)
     offsets = offsets.to(torch.int64).contiguous()
-    status = kernel(x.data_ptr(), x.stride(0), offsets.data_ptr(), len(offsets) - 1,
-                    x.shape[1], panels.data_ptr(), panels[0].numel(), out_features, None,
-                    out.data_ptr(), out_features, cpu_build.DTYPES[x.dtype],
-                    torch.get_num_threads())
+    _check(kernel(x.data_ptr(), x.stride(0), offsets.data_ptr(), len(offsets) - 1, x.shape[1],
+                  panels.data_ptr(), panels[0].numel(), out_features, _pointer(scales), None,
+                  out.data_ptr(), out_features, cpu_build.DTYPES[x.dtype],
+                  WEIGHT_FORMATS[panels.dtype], torch.get_num_threads()))
+    return out
+
+
+def _check_scales(panels: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Raise ValueError unless 8-bit panels come with their float32 scales, and only they."""
+    if is_quantized(panels.dtype) != (scales is not None) or \
+            (scales is not None and scales.dtype != torch.float32):
+        raise ValueError(f"{panels.dtype} panels take "
+                         f"{'float32 scales' if is_quantized(panels.dtype) else 'no scales'}")
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    """A contiguous tensor's data pointer for the kernels (None for None)."""
+    if tensor is None:
+        return None
+    if not tensor.is_contiguous():
+        raise ValueError("the panel kernel reads biases and scales contiguous")
+    return tensor.data_ptr()
+
+
+def _check(status: int) -> None:
     if status != 0:
         raise MemoryError("the panel kernel could not allocate its float32 copy of the input")
-    return out
 
 
 class PackedWeight:
@@ -166,10 +196,12 @@ class PackedWeight:
     gate/up), stacked along their outputs, with their biases, in ``layout`` (one of
     ``COPIES``): ``"onednn"``, oneDNN's packed copy and in float32 also the panels
     (``panel_layout``) for up to ``PANEL_ROWS`` rows; ``"panels"``, the panels alone (float32
-    or bfloat16 weights, ``cpu_build.DTYPES``). Rebuilt whenever any of the layers changes.
-    Calling it multiplies by all of them at once."""
+    or bfloat16 weights, ``cpu_build.DTYPES``, or 8-bit codes with each layer's
+    ``weight_scale``, float32 per output channel: ``quantization.py``). Rebuilt whenever any
+    of the layers changes. Calling it multiplies by all of them at once."""
 
-    __slots__ = ("layers", "layout", "out_features", "key", "weight", "bias", "panels")
+    __slots__ = ("layers", "layout", "out_features", "key", "weight", "bias", "panels",
+                 "scales")
 
     def __init__(self, layers: Sequence[nn.Linear], layout: str = "onednn") -> None:
         if layout not in COPIES:
@@ -181,32 +213,35 @@ class PackedWeight:
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
+        self.scales: torch.Tensor | None = None
 
     def current(self) -> torch.Tensor | None:
         """Refresh the copies if the layers changed; the stacked bias (None without)."""
-        params = [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
-        key = tuple((p.data_ptr(), p._version) for p in params)
+        tensors = [t for layer in self.layers for t in (layer.weight, layer.bias,
+                                                         _weight_scale(layer)) if t is not None]
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
         if key != self.key:
-            weights = [layer.weight.detach() for layer in self.layers]
-            stacked = (weights[0] if len(weights) == 1 else torch.cat(weights)).contiguous()
+            stacked = _stacked([layer.weight.detach() for layer in self.layers])
             onednn = self.layout == "onednn"
-            if not onednn and stacked.dtype not in cpu_build.DTYPES:
-                raise TypeError(f"the panels take float32 or bfloat16 weights, not "
-                                f"{stacked.dtype}: use plain F.linear (layout None)")
+            _check_panel_dtype(stacked.dtype, onednn)
             self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None) if onednn \
                 else None
             self.bias = self._stacked_bias()
             self.panels = panel_layout(stacked) if not onednn or (
                 stacked.dtype == torch.float32 and cpu_build.available()) else None
+            self.scales = _stacked([_weight_scale(layer) for layer in self.layers]) \
+                if is_quantized(stacked.dtype) else None
             self.key = key
         return self.bias
 
     def _stacked_bias(self) -> torch.Tensor | None:
         """The layers' biases end to end (zeros for a layer without), None if none has one."""
-        if all(layer.bias is None for layer in self.layers):
+        biases = [layer.bias for layer in self.layers]
+        given = next((bias for bias in biases if bias is not None), None)
+        if given is None:
             return None
-        return torch.cat([layer.weight.new_zeros(layer.out_features) if layer.bias is None
-                          else layer.bias.detach() for layer in self.layers])
+        return torch.cat([given.new_zeros(layer.out_features) if bias is None
+                          else bias.detach() for layer, bias in zip(self.layers, biases)])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T + b`` for ``x`` ``[..., in]``, W and b the layers' stacked weights and
@@ -215,13 +250,35 @@ class PackedWeight:
         if self.weight is not None and (self.panels is None or x.dtype != self.panels.dtype
                                         or x.numel() > PANEL_ROWS * x.shape[-1]):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        if x.dtype != self.panels.dtype:
-            raise TypeError(f"the panels multiply {self.panels.dtype} inputs, not {x.dtype}")
+        takes = cpu_build.DTYPES if self.scales is not None else (self.panels.dtype,)
+        if x.dtype not in takes:
+            raise TypeError(f"the panels of {self.panels.dtype} weights multiply "
+                            f"{' or '.join(map(str, takes))} inputs, not {x.dtype}")
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        out = panel_linear(rows, self.panels, self.out_features, bias)
+        out = panel_linear(rows, self.panels, self.out_features, bias, self.scales)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def _weight_scale(layer: nn.Module) -> torch.Tensor | None:
+    """A layer's per-channel scale of its 8-bit weight (None: not quantized)."""
+    return getattr(layer, "weight_scale", None)
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors end to end along their first dimension, contiguous."""
+    return (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).contiguous()
+
+
+def _check_panel_dtype(dtype: torch.dtype, onednn: bool) -> None:
+    """Raise TypeError, naming what to use, for weights of ``dtype`` the layout cannot take."""
+    if is_quantized(dtype) and onednn:
+        raise TypeError(f"{dtype} weights multiply through the panels only: use layout "
+                        "'panels'")
+    if not onednn and dtype not in cpu_build.DTYPES and not is_quantized(dtype):
+        raise TypeError(f"the panels take float32, bfloat16 or 8-bit weights, not {dtype}: "
+                        "use plain F.linear (layout None)")
 
 
 def fastest_layout(groups: Sequence[Sequence[nn.Linear]], dtype: torch.dtype,

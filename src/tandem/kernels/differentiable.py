@@ -9,6 +9,11 @@ of autograd through the references (the gradient needs no bitwise match):
   each backend (``cpu_linear.c``'s panels, a parameter's kept on it until the optimizer
   writes it; ``triton_linear.py``, which reads the weight as stored),
   backward two matmuls;
+- ``training_quantized_linear(kernels, method)``: the same with the weight quantized as the
+  engine quantizes it (``quantization.quantize``, kept on a parameter as its panels are)
+  and multiplied by the engine's 8-bit kernel; backward, the input's gradient through the
+  weight served (dequantized), the weight's straight through the rounding (quantization-
+  aware training's straight-through estimator);
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
   activation, each with its backward written out in float32, and a ``causal_attention``
   that attends every sequence of a flat token stream to itself through the engine's own
@@ -23,6 +28,7 @@ of autograd through the references (the gradient needs no bitwise match):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,53 +36,91 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from . import cpu_linear, layers
+from . import cpu_linear, layers, quantization
 from .attention import AttentionMetadata
 from .dispatch import AttentionBackend, KernelOps, LayerKernels
 from .fp8_kv import FP8, FP8_MAX, dequantize
 
 
 class _Linear(Function):
+    """``kernel(rows, weight, bias, parameter)``, which returns the output and the 8-bit
+    codes and scales it multiplied by (None: the weight itself); the backward takes the
+    input's gradient through the weight the kernel served, the weight's straight through any
+    rounding."""
+
     @staticmethod
     def forward(ctx, rows, weight, bias, kernel):  # noqa: D102 - autograd's protocol
         ctx.save_for_backward(rows, weight)
         ctx.has_bias = bias is not None
         parameter = weight if isinstance(weight, nn.Parameter) else None
-        return kernel(rows, weight.detach(), None if bias is None else bias.detach(), parameter)
+        out, ctx.codes = kernel(rows, weight.detach(), None if bias is None else bias.detach(),
+                                parameter)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
         rows, weight = ctx.saved_tensors
-        grad_rows = grad @ weight if ctx.needs_input_grad[0] else None
+        served = weight if ctx.codes is None else quantization.dequantize(*ctx.codes,
+                                                                          weight.dtype)
+        grad_rows = grad @ served if ctx.needs_input_grad[0] else None
         grad_weight = grad.t() @ rows if ctx.needs_input_grad[1] else None
         grad_bias = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_rows, grad_weight, grad_bias, None
 
 
-def _packed(weight: torch.Tensor, parameter: nn.Parameter | None) -> torch.Tensor:
-    """``weight``'s panels. A trainer's parameter keeps its own (an attribute, dropped with
-    it), repacked only after it changes: an optimizer step writes it in place, which bumps
-    its version. A computed weight (a merged adapter) is packed at each call."""
+def _kept(weight: torch.Tensor, parameter: nn.Parameter | None, name: str,
+          build: Callable[[torch.Tensor], object]) -> object:
+    """``build(weight)`` (its panels, its 8-bit codes). A trainer's parameter keeps what was
+    built for it under ``name`` (an attribute, dropped with it), built anew only after it
+    changes: an optimizer step writes it in place, which bumps its version. A computed
+    weight (a merged adapter) is built at each call."""
     if parameter is None:
-        return cpu_linear.panel_layout(weight)
+        return build(weight)
     key = (weight.data_ptr(), parameter._version, tuple(weight.shape), weight.dtype)
-    cached = getattr(parameter, "_tandem_panels", None)
-    if cached is None or cached[0] != key:
-        cached = parameter._tandem_panels = (key, cpu_linear.panel_layout(weight))
-    return cached[1]
+    if not hasattr(parameter, "_tandem_kept"):
+        parameter._tandem_kept = {}
+    kept = parameter._tandem_kept
+    if name not in kept or kept[name][0] != key:
+        kept[name] = (key, build(weight))
+    return kept[name][1]
+
+
+Codes = tuple[torch.Tensor, torch.Tensor]  # 8-bit codes and their scales
 
 
 def _panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            parameter: nn.Parameter | None) -> torch.Tensor:
-    return cpu_linear.panel_linear(rows, _packed(weight, parameter), weight.shape[0],
-                                   None if bias is None else bias.contiguous())
+            parameter: nn.Parameter | None) -> tuple[torch.Tensor, None]:
+    panels = _kept(weight, parameter, "panels", cpu_linear.panel_layout)
+    return cpu_linear.panel_linear(rows, panels, weight.shape[0],
+                                   None if bias is None else bias.contiguous()), None
 
 
 def _triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            parameter: nn.Parameter | None) -> torch.Tensor:  # reads the weight as stored
+            parameter: nn.Parameter | None) -> tuple[torch.Tensor, None]:
     from . import triton_linear  # only when the Triton kernels run
 
-    return triton_linear.linear(rows, weight, bias)
+    return triton_linear.linear(rows, weight, bias), None  # reads the weight as stored
+
+
+def _quantized_panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      parameter: nn.Parameter | None, method: str
+                      ) -> tuple[torch.Tensor, Codes]:
+    def build(w: torch.Tensor) -> tuple[torch.Tensor, Codes]:
+        codes = quantization.quantize(w, method)
+        return cpu_linear.panel_layout(codes[0]), codes
+
+    panels, codes = _kept(weight, parameter, f"panels-{method}", build)
+    return cpu_linear.panel_linear(rows, panels, weight.shape[0],
+                                   None if bias is None else bias.contiguous(), codes[1]), codes
+
+
+def _quantized_triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      parameter: nn.Parameter | None, method: str
+                      ) -> tuple[torch.Tensor, Codes]:
+    from . import triton_linear  # only when the Triton kernels run
+
+    codes = _kept(weight, parameter, method, lambda w: quantization.quantize(w, method))
+    return triton_linear.linear(rows, codes[0], bias, codes[1]), codes
 
 
 def _differentiable(kernel: Callable) -> Callable:
@@ -273,6 +317,16 @@ def training_linear(kernels: KernelOps) -> Callable[..., torch.Tensor]:
     """The differentiable twin of the engine's batch-invariant matmul for ``kernels``: the
     panels where the linear layers use the CPU layouts, the Triton matmul otherwise."""
     return panel_linear if kernels.layers.cpu_linear_layouts else triton_linear
+
+
+def training_quantized_linear(kernels: KernelOps, method: str) -> Callable[..., torch.Tensor]:
+    """``linear(x, weight, bias)`` of a trainer's float weight as the engine serves it with
+    ``quantization=method``: quantized by ``quantization.quantize`` and multiplied by the
+    engine's 8-bit kernel for ``kernels`` (the panels, or the Triton matmul), so each output
+    row has the engine's bits; differentiable, the weight's gradient passing straight
+    through the rounding (``_Linear``)."""
+    kernel = _quantized_panels if kernels.layers.cpu_linear_layouts else _quantized_triton
+    return _differentiable(functools.partial(kernel, method=method))
 
 
 def _no_pool(*args, **kwargs):

@@ -65,6 +65,9 @@ class LayerKernels:
             where it is a kernel of its own (Triton's); None where the panels are.
         fused_moe: a mixture of experts' whole expert computation in grouped matmuls
             (``triton_moe.fused_moe``'s signature), or None (the experts loop in torch).
+        quantized_linear: the matmul of 8-bit weights, ``linear(x, codes, bias,
+            weight_scale)`` (``quantization.py``), where it is a kernel of its own
+            (Triton's); None where the CPU panels multiply them, or nothing does.
     """
 
     name: str
@@ -74,6 +77,7 @@ class LayerKernels:
     cpu_linear_layouts: bool = True
     batch_invariant_linear: Callable[..., torch.Tensor] | None = None
     fused_moe: Callable[..., torch.Tensor] | None = None
+    quantized_linear: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,27 @@ def batch_invariance_gap(backend: str, device: torch.device, dtype: torch.dtype,
     return None
 
 
+def check_quantized(ops: KernelOps, device: torch.device, method: str) -> None:
+    """Raise ValueError, naming the fallback, when ``ops`` cannot multiply ``method``'s 8-bit
+    weights (``quantization.py``) on ``device``: on CPU the compiled panels (a C compiler),
+    on CUDA a layer kernel of 8-bit weights (Triton's), and for fp8 a GPU that converts fp8
+    (compute capability 8.9 or newer: Ada, Hopper, Blackwell)."""
+    layers = ops.layers
+    if layers.cpu_linear_layouts and not cpu_build.available():
+        raise ValueError(f"quantization={method!r} on CPU multiplies through the compiled "
+                         "panels, which need a C compiler (gcc or $CC): install one, or use "
+                         "quantization=None.")
+    if not layers.cpu_linear_layouts and layers.quantized_linear is None:
+        raise ValueError(f"quantization={method!r} needs the Triton kernels on CUDA, not "
+                         f"{layers.name!r}: use attention_backend='auto', or quantization=None.")
+    if method == "fp8" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(f"quantization='fp8' needs a GPU of compute capability 8.9 or "
+                             f"newer to convert fp8 weights; this one is {capability[0]}."
+                             f"{capability[1]}: use quantization='int8', or None.")
+
+
 def _cpu_ops(device: torch.device) -> KernelOps:
     if device.type != "cpu":
         raise ValueError(f"attention_backend='cpu' runs on the CPU, not {device.type}: use "
@@ -175,7 +200,8 @@ def _triton_ops(exact: bool) -> KernelOps:
     return KernelOps(attention, LayerKernels(
         "triton", triton_layers.rms_norm, triton_layers.rotary_embedding,
         triton_layers.silu_and_mul, cpu_linear_layouts=False,
-        batch_invariant_linear=triton_linear.linear, fused_moe=triton_moe.fused_moe))
+        batch_invariant_linear=triton_linear.linear, fused_moe=triton_moe.fused_moe,
+        quantized_linear=triton_linear.linear))
 
 
 def check_sharded(ops: KernelOps, device: torch.device) -> None:

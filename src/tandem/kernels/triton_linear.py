@@ -9,6 +9,18 @@ The row count is a run-time argument Triton does not specialise on (a specialisa
 M == 1 or M % 16 == 0 would compile other code). The weight is read as it is stored
 (``[out, in]``, any strides): no copy, so an aliased or updated weight is always current.
 
+8-bit weights (``quantization.py``: int8 or fp8 e4m3 codes, a float32 scale per output
+channel) are read as stored, a quarter or half of the bytes, and converted in registers to
+the activations' dtype (exactly: 8-bit codes fit bfloat16's and float16's mantissas) before
+the same ``tl.dot``; each output is multiplied by its channel's scale after the sum. This is
+weight-only quantization, for the whole engine on CUDA (not only exact log-probs), rather
+than vLLM's W8A8 (activations quantized per row, an fp8 ``tl.dot``): the matmul keeps the
+activations' precision, so the sampler's log-probs move only by the weights' rounding, the
+trainer's exact forward reproduces it with the same definition as the CPU panels, and a
+decode step of RL's batch sizes is bound by reading the weights, which is what it halves.
+fp8 codes need a GPU that converts them (compute capability 8.9+, ``check_quantized``);
+int8 ones compile for sm_80 too.
+
 Under Triton's interpreter (CPU), the operands are converted to float32 after loading, as in
 the attention kernels.
 """
@@ -28,10 +40,11 @@ TILES = {torch.float32: (32, 32, 32, 4), torch.bfloat16: (64, 32, 64, 4),
          torch.float16: (64, 32, 64, 4)}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x W^T + b`` for ``x`` ``[..., in]``, ``weight`` ``[out, in]``, ``bias`` ``[out]``
-    (all one dtype), batch-invariant (see the module docstring)."""
+    (all one dtype, or ``weight`` 8-bit codes with their float32 ``weight_scale`` ``[out]``:
+    W = weight_scale · codes), batch-invariant (see the module docstring)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -41,23 +54,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         block_m, block_n, block_k, warps = TILES[x.dtype]
         grid = (triton.cdiv(num_rows, block_m), triton.cdiv(out_features, block_n))
         _linear_kernel[grid](
-            rows, weight, rows if bias is None else bias, out, num_rows, out_features,
+            rows, weight, rows if bias is None else bias,
+            rows if weight_scale is None else weight_scale, out, num_rows, out_features,
             in_features, rows.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            HAS_BIAS=bias is not None, HAS_SCALE=weight_scale is not None, BLOCK_M=block_m,
+            BLOCK_N=block_n, BLOCK_K=block_k,
             UPCAST=os.environ.get("TRITON_INTERPRET") == "1", num_warps=warps)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], out_features)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _linear_kernel(x, weight, bias, out, num_rows, out_features, in_features, stride_xm,
-                   stride_wn, stride_wk, stride_om, HAS_BIAS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   UPCAST: tl.constexpr):
+def _linear_kernel(x, weight, bias, weight_scale, out, num_rows, out_features, in_features,
+                   stride_xm, stride_wn, stride_wk, stride_om, HAS_BIAS: tl.constexpr,
+                   HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = rm < num_rows, rn < out_features
     acc = tile_matmul(x, rm, m_mask, weight, rn, n_mask, in_features, stride_xm, stride_wn,
                       stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST)
+    if HAS_SCALE:  # 8-bit weights: each output channel's scale, after the sum
+        acc *= tl.load(weight_scale + rn, mask=n_mask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out + rm[:, None].to(tl.int64) * stride_om + rn[None, :],
@@ -69,7 +86,8 @@ def tile_matmul(x, rows, m_mask, weight, rn, n_mask, in_features, stride_xm, str
                 stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
     """The float32 tile ``x[rows] W[rn]^T``: K in ``BLOCK_K`` chunks, in order, each by one
-    ``tl.dot`` (the one sum order every batch-invariant matmul here shares)."""
+    ``tl.dot`` (the one sum order every batch-invariant matmul here shares); 8-bit weight
+    codes converted to the activations' dtype as loaded (exact)."""
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k_start in range(0, in_features, BLOCK_K):
@@ -81,5 +99,5 @@ def tile_matmul(x, rows, m_mask, weight, rn, n_mask, in_features, stride_xm, str
                     mask=n_mask[None, :] & k_mask[:, None], other=0.0)
         if UPCAST:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
+        acc = tl.dot(a, b.to(a.dtype), acc, input_precision="ieee")
     return acc

@@ -14,6 +14,7 @@ from tandem.kernels import (
     check_kv_cache_dtype,
     kv_cache_dtype,
 )
+from tandem.kernels.quantization import check_quantization
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
@@ -105,6 +106,15 @@ class EngineConfig:
         "on CPU, raise glibc malloc's mmap and trim thresholds for the whole process so that "
         "freed temporaries are reused instead of page-faulted in again every step (see "
         "``cpu_allocator.py``); False leaves malloc as it is.")})
+    quantization: str | None = field(default=None, metadata={"help": (
+        "8-bit weights for the decoder layers' projections (q/k/v/o, gate/up/down), one "
+        "float32 scale per output channel, quantized at load and in every weight update "
+        "(the trainer sends float weights): ``\"int8\"`` or ``\"fp8\"`` (e4m3; on CUDA "
+        "compute capability 8.9 or newer). The embedding, LM head and norms keep the "
+        "model's dtype. On CPU through the compiled panels (exact log-probs hold: the "
+        "trainer's exact forward quantizes alike), on CUDA through a Triton matmul that "
+        "converts the weights in registers. None (default): the model's dtype. Alias updates "
+        "and mixtures of experts are refused with it.")})
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -121,6 +131,7 @@ class EngineConfig:
                              f"{', '.join(DTYPES)}.")
         check_backend(self.attention_backend)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_quantization(self.quantization)
         if self.distributed_executor_backend not in ("mp", "external_launcher"):
             raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r}"
                              " is invalid: use 'mp' or 'external_launcher'.")
@@ -162,7 +173,8 @@ class EngineConfig:
                             str(self.torch_device), max_model_len, self.block_size,
                             self.attention_backend, self.enforce_eager, self.max_num_seqs,
                             self.exact(dtype, model_invariant), self.seed,
-                            tuple(sorted(eos_token_ids)), self.kv_cache_dtype)
+                            tuple(sorted(eos_token_ids)), self.kv_cache_dtype,
+                            self.quantization)
 
     def torch_dtype(self, checkpoint_dtype: torch.dtype | None) -> torch.dtype:
         """The model dtype: float32 on CPU for 'auto', else the checkpoint's (bfloat16 if unset)."""
@@ -193,6 +205,7 @@ class WorkerConfig:
     seed: int = 0
     eos_token_ids: tuple[int, ...] = ()
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -67,7 +67,8 @@ class LLMEngine:
         self.runner = make_runner(worker, hf_config, config.tensor_parallel_size,
                                   config.distributed_executor_backend == "external_launcher")
         kv_size = size_kv_cache(config, hf_config, worker.kv_torch_dtype, self.max_model_len,
-                                self.runner.weight_bytes(), self.runner.graph_sizes)
+                                self.runner.weight_bytes(), self.runner.graph_sizes,
+                                staging_bytes=self.runner.staging_bytes())
         self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
         self.memory_plan = kv_size.plan
         self.runner.allocate_kv_cache(self.num_kv_blocks)
@@ -306,7 +307,13 @@ class LLMEngine:
 
         Raises:
             ValueError: for ``alias`` under ``exact_logprobs`` on CPU, whose panels are
-                copies."""
+                copies, or with ``quantization`` (the engine holds 8-bit codes, not the
+                trainer's tensors)."""
+        if alias and self.config.quantization is not None:
+            raise ValueError(f"alias updates serve the trainer's tensors in place, which "
+                             f"quantization={self.config.quantization!r} replaces by 8-bit "
+                             "copies: update by copy (alias=False; the recipe's sync_alias: "
+                             "false), or start the engine with quantization=None.")
         if alias and self.runner.exact_logprobs and self.runner.model.linear_layout == "panels":
             raise ValueError("alias updates serve the trainer's tensors in place, which the "
                              "batch-invariant panels of exact_logprobs cannot follow: start "

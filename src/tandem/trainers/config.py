@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from tandem.kernels import check_kv_cache_dtype
+from tandem.kernels.quantization import QUANTIZATIONS
 from tandem.rollout.config import EngineConfig
 
 from .exact_conflicts import exact_conflicts
@@ -111,6 +112,13 @@ class RolloutConfig:
         structured_outputs: ``StructuredOutputsParams`` fields (e.g. ``{json: <schema>}``)
             constraining every completion; the trainer replays the grammar's masks, so its
             log-probs are of the same constrained distribution. Single-turn tasks only.
+        quantization: the engine samples with 8-bit weights (``"int8"`` or ``"fp8"``; the
+            engine's ``quantization``), quantized from the trainer's weights at every sync.
+            With exact log-probs the trainer's forward quantizes alike (straight-through
+            gradient) and stays on-policy bit for bit; without, the importance-sampling
+            correction (``importance_sampling``, truncated by default) weighs the gap, and
+            the step logs it (``sampler_logprob_diff_*``, ``is_ratio_*``, ``behaviour_kl_*``).
+            None: the model's dtype.
     """
 
     prompts_per_step: int = 8
@@ -126,6 +134,7 @@ class RolloutConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
     structured_outputs: dict[str, Any] | None = None
+    quantization: str | None = None
 
 
 @dataclass(slots=True)
@@ -287,6 +296,7 @@ class TrainConfig:
                 IMPORTANCE_SAMPLING_MODES)
         check_importance_sampling(self.importance_sampling)
         _check_partial(self.rollout.partial, self.sync_alias)
+        _check_quantization(self.rollout, self.sync_alias)
         if self.sync_alias and self.rollout.engine.get("tensor_parallel_size", 1) > 1:
             raise ValueError("sync_alias with rollout.engine.tensor_parallel_size > 1: each rank "
                              "holds a slice, which cannot alias the trainer's full tensors; "
@@ -413,6 +423,18 @@ def _check_partial(config: PartialRolloutConfig, sync_alias: bool) -> None:
         raise ValueError("rollout.partial with sync_alias=true: an aliased engine serves the "
                          "trainer's tensors as they change, so paused sequences cannot keep "
                          "older weights; turn one of them off.")
+
+
+def _check_quantization(rollout: RolloutConfig, sync_alias: bool) -> None:
+    if "quantization" in rollout.engine:
+        raise ValueError("rollout.engine.quantization: set rollout.quantization instead (the "
+                         "trainer reads it too).")
+    if rollout.quantization is None:
+        return
+    _one_of("rollout.quantization", rollout.quantization, QUANTIZATIONS)
+    if sync_alias:
+        raise ValueError("sync_alias with rollout.quantization: the engine holds 8-bit copies "
+                         "of the weights, not the trainer's tensors; turn sync_alias off.")
 
 
 def _get(config: Any, dotted: str) -> Any:

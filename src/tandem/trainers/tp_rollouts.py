@@ -41,11 +41,13 @@ def engine_options(config: TrainConfig, context: DistributedContext) -> dict[str
     """The ``LLM`` arguments of this rank's engine: the recipe's, the trainer's dtype and
     device, a seed shared by the ranks of one engine, its batch-invariant kernels as the
     recipe's ``exact_logprobs`` says (off under ``sync_alias``, whose aliased weights they
-    cannot follow), and the SPMD backend when they share."""
+    cannot follow), its 8-bit weights (``rollout.quantization``), and the SPMD backend when
+    they share."""
     exact = False if config.sync_alias or config.exact_logprobs is False \
         else config.exact_logprobs
     options = {"dtype": config.dtype, "seed": config.seed + rollout_rank(config, context),
-               "exact_logprobs": exact, **config.rollout.engine, "device": str(context.device)}
+               "exact_logprobs": exact, "quantization": config.rollout.quantization,
+               **config.rollout.engine, "device": str(context.device)}
     if is_spmd(config, context):
         options["distributed_executor_backend"] = "external_launcher"
     return options

@@ -118,6 +118,8 @@ class Trainer:
         self.logger = MetricsLogger(config.logging, self.output_dir, to_dict(config),
                                     enabled=self.context.is_main, start_step=self.step,
                                     wandb_run_id=wandb_run_id)
+        if config.rollout.quantization is not None and self.context.is_main:
+            tqdm.write(self._quantized_rollout_note())
 
     # --- building ------------------------------------------------------------------------
 
@@ -178,6 +180,20 @@ class Trainer:
         from tandem.sync import LoraSync
 
         return LoraSync(self.llm, mode=self.config.lora.sync_mode)
+
+    def _quantized_rollout_note(self) -> str:
+        """What corrects a quantized rollout's gap to the trainer: the exact forward (which
+        quantizes alike), else the importance-sampling correction in force."""
+        correction = self.config.importance_sampling
+        if self.policy.exact_forward is not None:
+            how = "the trainer's exact forward quantizes alike, so it stays on-policy bit for bit"
+        elif correction.mode == "none":
+            how = "importance_sampling.mode=none: nothing corrects the sampler's gap"
+        else:
+            how = (f"importance_sampling.mode={correction.mode} (clip_min={correction.clip_min},"
+                   f" clip_max={correction.clip_max}) corrects the sampler's gap")
+        return (f"rollout.quantization={self.config.rollout.quantization}: {how}; each step "
+                "logs sampler_logprob_diff_*, is_ratio_* and behaviour_kl_*.")
 
     def _lr_factor(self, step: int) -> float:
         warmup = self.config.optim.warmup_steps

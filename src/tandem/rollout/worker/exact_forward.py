@@ -16,6 +16,11 @@ through the panels as the engine's ``LoraLinear`` adds it; differentiably either
 With an FP8 KV pool each layer of the twin attends through the engine's scales (the same
 tensors): its K and V are rounded through e4m3 by the engine's own store before the same
 attention arithmetic, so the bits still match (``differentiable.py``).
+An engine with 8-bit weights (``quantization``) serves its projections quantized: the twin's
+quantize the trainer's weights with the engine's function and multiply through the engine's
+8-bit kernel (``training_quantized_linear``; the gradient passes straight through the
+rounding). A merged adapter is merged, as ``LoraSync`` merges it there, onto the base the
+engine serves (the base's quantized weight, dequantized), then quantized.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from tandem.kernels import AttentionMetadata, KernelOps
-from tandem.kernels.differentiable import training_linear, training_ops
+from tandem.kernels import AttentionMetadata, KernelOps, quantization
+from tandem.kernels.differentiable import (
+    training_linear,
+    training_ops,
+    training_quantized_linear,
+)
 from tandem.sync.lora import LoraFactors
 
 from ..parallel.tensor_parallel import TensorParallel
@@ -73,6 +82,14 @@ class ExactForward:
             twin_layer.k_scale, twin_layer.v_scale = engine_layer.k_scale, engine_layer.v_scale
         self.linear = training_linear(kernels)
         self.twin.multiply_through(self.linear, f"{kernels.layers.name} (differentiable)")
+        self.quantization = engine_model.quantization
+        self.quantized_modules: set[str] = set()
+        if self.quantization is not None:
+            self.twin.multiply_quantized_through(
+                training_quantized_linear(kernels, self.quantization))
+            quantized = {id(layer) for layer in self.twin.quantized_layers()}
+            self.quantized_modules = {name for name, module in self.twin.named_modules()
+                                      if id(module) in quantized}
         self.spec = self.twin.weight_spec()
         if lora_runtime and any(target.slot for target in self.spec.values()):
             raise ValueError("exact_logprobs with a run-time LoRA adapter needs a model whose "
@@ -116,8 +133,17 @@ class ExactForward:
                 self.twin_layers[module].lora_scale = scale
                 continue
             factors = LoraFactors(pair["A"].float(), pair["B"].float(), scale)
-            tensors[f"{module}.weight"] = factors.merged(base).to(base.dtype)
+            tensors[f"{module}.weight"] = factors.merged(self._served(module, base)).to(
+                base.dtype)
         return assemble(self.spec, tensors)
+
+    def _served(self, module: str, base: torch.Tensor) -> torch.Tensor:
+        """The base weight of ``module`` as the engine serves it and ``LoraSync`` reads it
+        back to merge onto: quantized and dequantized where the engine holds 8-bit weights."""
+        if module not in self.quantized_modules:
+            return base
+        return quantization.dequantize(*quantization.quantize(base, self.quantization),
+                                       base.dtype)
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, logits_to_keep: int,

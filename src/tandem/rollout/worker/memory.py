@@ -66,10 +66,13 @@ def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype
 
 
 def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: torch.dtype,
-                  max_model_len: int, weight_bytes: int, graph_sizes: list[int]) -> KVCacheSize:
+                  max_model_len: int, weight_bytes: int, graph_sizes: list[int],
+                  staging_bytes: int | None = None) -> KVCacheSize:
     """The KV pool for ``config``, of ``kv_dtype`` elements (``WorkerConfig.kv_torch_dtype``):
     set directly, 1 GiB on CPU, or what the device share leaves (each a budget per rank under
-    tensor parallelism: every rank holds as many blocks).
+    tensor parallelism: every rank holds as many blocks). ``staging_bytes``: what a full
+    weight update stages (default ``weight_bytes``; more with 8-bit weights, which an update
+    sends in the model's dtype).
 
     Raises:
         ValueError: when the pool cannot hold one max_model_len sequence (naming the options
@@ -89,7 +92,7 @@ def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: t
             torch.cuda.get_device_properties(config.torch_device).total_memory,
             config.gpu_memory_utilization or 0.9, weight_bytes,
             activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs),
-            graph_pool_bytes(hf_config, graph_sizes))
+            graph_pool_bytes(hf_config, graph_sizes), staging_bytes)
         num_blocks = plan.kv_cache_bytes // block_bytes
     _check_holds_one_sequence(num_blocks, block_bytes, config.block_size, max_model_len)
     return KVCacheSize(num_blocks, block_bytes, plan)
@@ -134,21 +137,22 @@ def graph_pool_bytes(hf_config: PretrainedConfig, batch_sizes: list[int]) -> int
 
 
 def plan_memory(total_bytes: int, utilization: float, weight_bytes: int,
-                activations: int, graphs: int) -> MemoryPlan:
-    """Split ``utilization`` × ``total_bytes`` between weights, staging, activations, graphs
-    and KV.
+                activations: int, graphs: int, staging_bytes: int | None = None) -> MemoryPlan:
+    """Split ``utilization`` × ``total_bytes`` between weights, staging (``staging_bytes``,
+    default ``weight_bytes``), activations, graphs and KV.
 
     Raises:
         ValueError: when the fixed parts leave nothing for the KV pool, listing each part.
     """
     budget = int(utilization * total_bytes)
-    kv_cache = budget - 2 * weight_bytes - activations - graphs
+    staging = weight_bytes if staging_bytes is None else staging_bytes
+    kv_cache = budget - weight_bytes - staging - activations - graphs
     if kv_cache <= 0:
         raise ValueError(
             f"gpu_memory_utilization={utilization} gives this engine {budget / 2**30:.2f} GiB, "
             f"but its weights take {weight_bytes / 2**30:.2f} GiB, staging a weight update "
-            f"{weight_bytes / 2**30:.2f} GiB, activations {activations / 2**30:.2f} GiB and "
+            f"{staging / 2**30:.2f} GiB, activations {activations / 2**30:.2f} GiB and "
             f"decode graphs {graphs / 2**30:.2f} GiB, leaving nothing for the KV pool: raise "
             "gpu_memory_utilization, or lower max_num_batched_tokens or max_num_seqs (or set "
             "enforce_eager=True).")
-    return MemoryPlan(budget, weight_bytes, weight_bytes, activations, graphs, kv_cache)
+    return MemoryPlan(budget, weight_bytes, staging, activations, graphs, kv_cache)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
-from tandem.kernels import AttentionMetadata, select_kernels
+from tandem.kernels import AttentionMetadata, check_quantized, quantization, select_kernels
 from tandem.kernels.cpu_build import MAX_GROUP, MAX_HEAD_DIM
 from tandem.kernels.fp8_kv import FP8
 from tandem.sync.protocol import WeightUpdateError, check_all_finite
@@ -53,7 +53,10 @@ class ModelRunner:
     (``kernels/cpu_linear.py``; ``model.linear_layout`` names it), or with exact log-probs
     in the batch-invariant panels. An FP8 pool (``kv_cache_dtype``) comes with its scales,
     ``kv_scales`` ``[2, layers, kv_heads]`` (K's, V's; this rank's heads), kept apart from the
-    pool so that they outlive its release (sleep) and every weight update.
+    pool so that they outlive its release (sleep) and every weight update. With
+    ``quantization`` the decoder layers' projections hold 8-bit weights (quantized after
+    loading, and in every commit), multiplied through the panels on CPU and the Triton 8-bit
+    matmul on CUDA.
 
     Raises:
         ValueError: where the KV cache dtype cannot run on this device, before anything is
@@ -71,19 +74,20 @@ class ModelRunner:
         self.block_size = config.block_size
         self.tp = tp or TensorParallel()
         self.ops = select_kernels(config.attention_backend, device, config.exact_logprobs)
+        if config.quantization is not None:
+            check_quantized(self.ops, device, config.quantization)
         self.model: CausalLM = build_model(hf_config, dtype, device, config.max_model_len,
                                            self.ops, self.tp)
         self.weight_spec = self.model.weight_spec()
         load_weights(self.model, Path(config.model_dir))
+        if config.quantization is not None:  # vLLM's online quantization, after loading
+            self.model.quantize_weights(config.quantization)
         self.model.eval()
         # On CUDA the weights live in one releasable region: sleep(2) offloads them in one copy.
         self.offloadable_weights = releasable_or_none(
             lambda: OffloadableWeights(self.model, device), "weights") \
             if device.type == "cuda" else None
-        if config.exact_logprobs:  # batch-invariant linear layers, whatever a timing chooses
-            self._multiply_batch_invariant()
-        elif device.type == "cpu" and self.ops.layers.cpu_linear_layouts:
-            self.model.pack_linear_weights(self.model.fastest_linear_layout())
+        self._plan_linear_layers()
         self.sampler = Sampler(set(config.eos_token_ids), config.seed, device)
         self.input_batch = InputBatch(config.block_size, device, self.ops.attention.cascade)
         self.kv_cache = torch.empty(0)
@@ -103,6 +107,21 @@ class ModelRunner:
         # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
         self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
 
+    def _plan_linear_layers(self) -> None:
+        """How the linear layers multiply: batch-invariant with exact log-probs (whatever a
+        timing chooses); quantized through the panels on CPU or the layer kernels' 8-bit
+        matmul (Triton's), the other layers as they are; else on CPU the layout timed
+        fastest."""
+        layers, quantized = self.ops.layers, self.config.quantization is not None
+        if self.config.exact_logprobs:
+            self._multiply_batch_invariant()
+        elif quantized and layers.cpu_linear_layouts:
+            self.model.pack_linear_weights("panels")
+        elif quantized:
+            self.model.multiply_quantized_through(layers.quantized_linear)
+        elif self.device.type == "cpu" and layers.cpu_linear_layouts:
+            self.model.pack_linear_weights(self.model.fastest_linear_layout())
+
     def _multiply_batch_invariant(self) -> None:
         """Every linear layer through the backend's batch-invariant matmul: the panels (a
         copy) where the layers use the CPU layouts, else the layer kernels' own (Triton's
@@ -117,14 +136,30 @@ class ModelRunner:
 
     def weight_parameters(self) -> dict[str, torch.Tensor]:
         """Every Hugging Face tensor of the weight spec (a tied one under its first name),
-        as the part of its parameter it fills (the parameter itself where it fills all)."""
-        return dict(self._parameters)
+        as the part of its parameter it fills (the parameter itself where it fills all); a
+        quantized one as a stand-in of its float shape and the model's dtype that takes no
+        memory (a scalar expanded): updates send float weights, the commit quantizes them."""
+        return dict(self._update_targets)
 
     @functools.cached_property
     def _parameters(self) -> dict[str, torch.Tensor]:
         # Walked once (0.5 ms an update on an H200): updates, offloads and aliases change a
-        # parameter's data, never the parameter.
+        # parameter's data, never the parameter (quantizing replaced them before this).
         return views(self.weight_spec, dict(self.model.named_parameters()))
+
+    @functools.cached_property
+    def _scales(self) -> dict[str, torch.Tensor]:
+        """The quantized tensors' per-channel scales, each the part of its layer's
+        ``weight_scale`` its slot fills, by Hugging Face name."""
+        buffers = dict(self.model.named_buffers())
+        return {name: target.view(buffers[f"{target.parameter}_scale"])
+                for name, target in self.weight_spec.items()
+                if f"{target.parameter}_scale" in buffers}
+
+    @functools.cached_property
+    def _update_targets(self) -> dict[str, torch.Tensor]:
+        return {name: torch.empty((), dtype=self.dtype, device=view.device).expand(view.shape)
+                if name in self._scales else view for name, view in self._parameters.items()}
 
     def tied_parameter_names(self) -> set[str]:
         """Names that share another parameter's tensor (e.g. a tied ``lm_head.weight``)."""
@@ -136,9 +171,9 @@ class ModelRunner:
         """Copy (or with ``alias`` adopt) the staged tensors into the parameters; True when
         an adopted tensor moved a parameter to new storage. Aliasing ends the CPU weight
         layouts (copies would go stale: an aliased weight changes in place unseen)."""
-        parameters, moved = self.weight_parameters(), False
+        parameters, moved = self._parameters, False
         if not alias:
-            self._copy_in(parameters, staged)
+            self._copy_in(staged)
             return False
         stacked = sorted(name for name in staged if self.weight_spec[name].slot)
         if stacked:
@@ -156,31 +191,41 @@ class ModelRunner:
         """Under tensor parallelism: cut this rank's slice of each full staged tensor, check
         it, and copy the slices in only if no rank refused its own (one vote); returns the
         refusing ranks."""
-        parameters, config = self._parameters, self.model.config  # this rank's slices
+        targets, config = self._update_targets, self.model.config  # this rank's slices
         try:
             slices = {name: local_slice(self.weight_spec[name].split, tensor, config, self.tp).to(
-                parameters[name].device, parameters[name].dtype, copy=True)
+                targets[name].device, targets[name].dtype, copy=True)
                 for name, tensor in staged.items()}
             check_all_finite(slices.items())
         except (WeightUpdateError, RuntimeError, KeyError):
             slices = None
         refusing = self.tp.refusals(slices is not None)
         if not refusing:
-            self._copy_in(parameters, slices)
+            self._copy_in(slices)
         return refusing
 
-    @staticmethod
-    def _copy_in(parameters: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> None:
+    def _copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Copy each tensor into its parameter in one ``torch._foreach_copy_`` (a few kernels
-        on a GPU; it bumps version counters as ``copy_``, so CPU packed copies rebuild)."""
-        if tensors:
-            torch._foreach_copy_([parameters[name] for name in tensors], list(tensors.values()))
+        on a GPU; it bumps version counters as ``copy_``, so CPU packed copies rebuild); a
+        quantized one's codes and scales from ``quantization.quantize`` (its finiteness was
+        checked when it was staged)."""
+        plain = [name for name in tensors if name not in self._scales]
+        if plain:
+            torch._foreach_copy_([self._parameters[name] for name in plain],
+                                 [tensors[name] for name in plain])
+        for name in tensors.keys() - set(plain):
+            codes, scale = quantization.quantize(tensors[name], self.config.quantization)
+            self._parameters[name].copy_(codes)
+            self._scales[name].copy_(scale)
 
     def full_weight(self, name: str) -> torch.Tensor | None:
         """The whole weight ``name`` of a projection (or a replicated tensor): under tensor
         parallelism gathered from every rank's slice, on the driver (None on the other
-        ranks) or with SPMD on every rank."""
+        ranks) or with SPMD on every rank. A quantized weight is what it serves, dequantized
+        to the model's dtype (``quantization.dequantize``)."""
         local = self._parameters[name].detach()
+        if name in self._scales:
+            local = quantization.dequantize(local, self._scales[name], self.dtype)
         if self.tp.size == 1:
             return local
         parts = self.tp.gather(local)
@@ -221,8 +266,17 @@ class ModelRunner:
         return self.tp.fewest(num_blocks) if self.tp.spmd else num_blocks
 
     def weight_bytes(self) -> int:
-        """Bytes of the model's parameters (tied ones counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of the weights held: the model's parameters (tied ones counted once, 8-bit
+        ones a byte each) and the scales of the quantized ones (``CausalLM.weight_bytes``)."""
+        return self.model.weight_bytes()
+
+    def staging_bytes(self) -> int:
+        """Bytes a full weight update stages until its commit: every Hugging Face tensor in
+        the model's dtype (a quantized one is staged as the trainer sends it, then
+        quantized)."""
+        return sum(view.numel() * self.dtype.itemsize if name in self._scales
+                   else view.numel() * view.element_size()
+                   for name, view in self._parameters.items())
 
     def _bind_kv_scales(self) -> torch.Tensor | None:
         """An FP8 pool's scales (1.0: ``fp8_kv.py`` says why), each layer's bound to its

@@ -20,7 +20,8 @@ declare their tensor-parallel split and Hugging Face tensors), and provides:
 
 From these ``CausalLM`` derives the weight spec (``weight_spec``; a layer's ``aliases`` map
 another layout's names onto it, ``unalias``), logits under tensor parallelism, the CPU
-linear layouts and the tied embedding. Families register by
+linear layouts, 8-bit weights (``quantize_weights``: the decoder layers' projections, as
+``linear_groups`` lists them) and the tied embedding. Families register by
 architecture name (``registry.py``).
 """
 
@@ -70,6 +71,7 @@ class CausalLM(nn.Module):
     lm_head: Linear
     rotary_emb: RotaryEmbedding
     linear_layout: str | None = None  # see pack_linear_weights
+    quantization: str | None = None  # see quantize_weights
 
     @classmethod
     def check_config(cls, config: PretrainedConfig) -> None:
@@ -144,6 +146,36 @@ class CausalLM(nn.Module):
         return [group for layer in self.decoder_layers() for group in self.linear_groups(layer)
                 if isinstance(group, FusedProjections)]
 
+    def quantized_layers(self) -> list[Linear]:
+        """The projections ``quantize_weights`` quantizes: every decoder layer's linear
+        layers (``linear_groups``: q/k/v, o, gate/up, down); the embedding, the LM head and
+        the norms keep the model's dtype, as in vLLM."""
+        return [layer for decoder in self.decoder_layers() for group in self.linear_groups(decoder)
+                for layer in (group.layers if isinstance(group, FusedProjections) else [group])]
+
+    def quantize_weights(self, method: str) -> None:
+        """Store every ``quantized_layers`` weight as 8-bit codes with a float32 scale per
+        output channel (``Linear.quantize``; ``method`` one of
+        ``quantization.QUANTIZATIONS``), in place of its float weight.
+
+        Raises:
+            ValueError: for a model with stacked experts (a mixture of experts), which are
+                not quantized yet.
+        """
+        if any(hasattr(module, "pack_weights") for module in self.modules()):
+            raise ValueError(f"quantization={method!r} does not cover a mixture of experts' "
+                             "stacked experts yet: start the engine with quantization=None.")
+        for layer in self.quantized_layers():
+            layer.quantize(method)
+        self.quantization = method
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights held: the parameters (tied ones once, 8-bit ones at a byte
+        each) and the scales of the quantized ones."""
+        scales = [layer.weight_scale for layer in self.modules()
+                  if isinstance(layer, Linear) and layer.weight_scale is not None]
+        return sum(t.numel() * t.element_size() for t in [*self.parameters(), *scales])
+
     def pack_linear_weights(self, layout: str | None) -> None:
         """Multiply every projection in ``layout`` (one of ``cpu_linear.LAYOUTS``):
         ``"transposed"`` re-stores each weight column-major in place, ``"onednn"`` and
@@ -152,7 +184,15 @@ class CausalLM(nn.Module):
         changes in place unseen, so it must never be copied). The LM head is packed with
         the projections: ``F.linear``'s own last bits change with the row count (MKL blocks
         each shape its own way), and packed it is about 2-3x faster at decode row counts
-        (``benchmarks/matmul_floor.py --role lm_head``)."""
+        (``benchmarks/matmul_floor.py --role lm_head``).
+
+        Raises:
+            ValueError: for a layout other than ``"panels"`` on a quantized model (the
+                panels alone read 8-bit weights on CPU).
+        """
+        if self.quantization is not None and layout != "panels":
+            raise ValueError(f"quantization={self.quantization!r} multiplies through the "
+                             f"panels on CPU, not the {layout!r} layout.")
         fused = self.fused_projections()
         in_fused = {id(layer) for group in fused for layer in group.layers}
         copied = layout in cpu_linear.COPIES
@@ -188,6 +228,16 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "multiply_through"):
                 module.multiply_through(linear)
         self.linear_layout = name
+
+    def multiply_quantized_through(self, linear: Callable[..., torch.Tensor]) -> None:
+        """The quantized projections (``quantized_layers``) each through ``linear``
+        (``LiveLinear``), the other layers as they are: on CUDA the Triton 8-bit matmul
+        (``linear(x, codes, bias, weight_scale)``), in a trainer's twin a differentiable
+        matmul that quantizes the trainer's float weight as the engine does."""
+        for layer in self.quantized_layers():
+            layer.packed = LiveLinear(layer, linear)
+        for group in self.fused_projections():
+            group.packed = None
 
     def fastest_linear_layout(self) -> str | None:
         """The layout ``cpu_linear.fastest_layout`` finds fastest for this model's

@@ -1,6 +1,6 @@
 """The layers every model family builds on: linear layers that pack on CPU, split under
-tensor parallelism and take LoRA adapters at run time; RMSNorm; the vocabulary-parallel
-embedding.
+tensor parallelism, hold 8-bit weights when quantized and take LoRA adapters at run time;
+RMSNorm; the vocabulary-parallel embedding.
 
 Each layer declares its tensor-parallel split and the Hugging Face tensors it holds
 (``weight_targets``): a model's weight spec (``base.CausalLM.weight_spec``) is theirs.
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from tandem.kernels import KernelOps
+from tandem.kernels import KernelOps, quantization
 from tandem.kernels.cpu_linear import PackedWeight
 
 from ...parallel.tensor_parallel import ROW, ROW_BIAS, VOCAB, TensorParallel, shard_range
@@ -26,6 +26,11 @@ class Linear(nn.Linear):
     """A linear layer that multiplies through a packed copy of its weight when it has one
     (``packed``, set on CPU by ``pack_linear_weights``; see ``kernels/cpu_linear.py``), or
     through a kernel of its own (``LiveLinear``, set by ``multiply_through``).
+
+    Quantized (``quantize``), its weight is 8-bit codes ``[out, in]`` (int8 or fp8 e4m3,
+    no gradient) and ``weight_scale`` a float32 buffer ``[out]``, one scale per output
+    channel (``kernels/quantization.py``); only a kernel that reads them multiplies it (the
+    panels, the Triton matmul), never ``F.linear``.
 
     Args:
         split: how tensor parallelism splits it (``tensor_parallel.SPLITS``): ``"column"``
@@ -42,6 +47,21 @@ class Linear(nn.Linear):
         self.split = split
         self.parts = parts
         self.packed: PackedWeight | LiveLinear | None = None
+        self.register_buffer("weight_scale", None, persistent=False)
+
+    def quantize(self, method: str) -> None:
+        """Replace the weight by its 8-bit codes in ``method``'s format and set
+        ``weight_scale`` (``quantization.quantize``); the float weight is freed."""
+        codes, scale = quantization.quantize(self.weight, method)
+        self.unquantized_dtype = self.weight.dtype
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of its inputs and outputs: its weight's, or its float weight's before
+        ``quantize``."""
+        return self.weight.dtype if self.weight_scale is None else self.unquantized_dtype
 
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """This layer's Hugging Face tensors (``prefix`` its module name) and where each
@@ -82,8 +102,8 @@ class LoraLinear(Linear):
             self.lora_a = self.lora_b = None
             return
         lora_a, lora_b, self.lora_scale = factors
-        self.lora_a = lora_a.to(self.weight.device, self.weight.dtype)
-        self.lora_b = lora_b.to(self.weight.device, self.weight.dtype)
+        self.lora_a = lora_a.to(self.weight.device, self.compute_dtype)
+        self.lora_b = lora_b.to(self.weight.device, self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The linear map, plus the adapter's low-rank term when one is set."""
@@ -99,16 +119,20 @@ class LoraLinear(Linear):
 
 class LiveLinear:
     """A layer's multiply by ``linear(x, weight, bias)`` with its weight as it is at each
-    call (no copy, so an aliased or trainer-bound weight is always current)."""
+    call (no copy, so an aliased or trainer-bound weight is always current); for a quantized
+    layer ``linear(x, codes, bias, weight_scale)``."""
 
     __slots__ = ("layer", "linear")
 
-    def __init__(self, layer: nn.Linear, linear: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, layer: Linear, linear: Callable[..., torch.Tensor]) -> None:
         self.layer, self.linear = layer, linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x W^T + b``."""
-        return self.linear(x, self.layer.weight, self.layer.bias)
+        layer = self.layer
+        if layer.weight_scale is None:
+            return self.linear(x, layer.weight, layer.bias)
+        return self.linear(x, layer.weight, layer.bias, layer.weight_scale)
 
 
 class FusedProjections:
