@@ -13,9 +13,10 @@ bfloat16; at many rows by the multiply-adds, which 8 bits do not make fewer.
 ``--part accuracy``: the unquantized engine's completions (greedy, and sampled at
 temperature 1 with n=4) of 24 prompts (the arith recipe's questions and grpo-cpu's eight)
 teacher-forced through each quantized engine (``quantization="int8"``, ``"fp8"``), in
-float32 and bfloat16: how often the quantized engine's greedy choice is the unquantized
-one's, and the mean and largest |Δ log-prob| of the completions' tokens (the sampler's gap
-to an unquantized trainer, which the importance-sampling correction weighs).
+float32 and bfloat16: on the greedy completions, how often the quantized engine's greedy
+choice is the unquantized one's; on both, the mean and largest |Δ log-prob| of the
+completions' tokens (the sampler's gap to an unquantized trainer, which the
+importance-sampling correction weighs).
 
 Run::
 
@@ -141,7 +142,8 @@ def accuracy_rows() -> list[tuple[str, ...]]:
             for name, completions in references.items():
                 agreement, mean, largest = teacher_forced(llm, prompt_ids, completions)
                 tokens = sum(len(c.token_ids) for _, c in completions)
-                lines.append((dtype, method, name, str(tokens), f"{agreement:.4f}",
+                lines.append((dtype, method, name, str(tokens),
+                              f"{agreement:.4f}" if name == "greedy" else "",
                               f"{mean:.4f}", f"{largest:.3f}"))
     return lines
 
