@@ -16,9 +16,10 @@
  * registers as they are loaded: int8 by sign extension and conversion, fp8 e4m3 by moving its
  * bits into a float16 and converting that (fp8_to_float: exact, subnormals included, with no
  * float32 denormal anywhere, which -ffast-math may flush). The products sum in float32 in
- * the same K blocks; each output is multiplied by
- * its channel's scale once, at the end, then the bias is added. A decode step of a few rows
- * is bound by reading the weights, so a quarter of float32's bytes is the point.
+ * the same K blocks; each output is multiplied by its channel's scale once, at the end, then
+ * the bias is added. A decode step of a few rows is bound by reading the weights, so a
+ * quarter of float32's bytes is the point; a single row multiplies WIDE panels at once, so
+ * the conversions do not leave the multiply-adds waiting on one chain.
  *
  * Each output is a sum over `in` accumulated in blocks of K_BLOCK products, the blocks then
  * added: a rounding chain of K_BLOCK + in / K_BLOCK additions instead of `in` (one long
