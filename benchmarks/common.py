@@ -52,6 +52,10 @@ class Run:
         return self.tokens / self.seconds
 
 
+# As the ``tandem`` command runs (cli/__init__.py): torch's large CPU tensors on huge pages.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def setup_torch() -> None:
     """Fix the thread count and the global seed the way every benchmark runs."""
     torch.set_num_threads(NUM_THREADS)

@@ -9,7 +9,14 @@ imports it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+# Transparent huge pages for torch's large CPU tensors (torch reads this at its first large
+# allocation). On a VM every 4 KiB page first touched faults into the hypervisor: a GRPO
+# training step's fresh activations and logits (hundreds of MB each step) spent seconds
+# there. Set THP_MEM_ALLOC_ENABLE=0 to keep torch's default.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .generate import add_generate_parser
 from .serve import add_serve_parser

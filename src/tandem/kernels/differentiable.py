@@ -264,9 +264,8 @@ def _unsaturated(x: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
 
 
 def _sdpa_reference(query, key, value, cu_seqlens, scale):
-    """Each sequence's causal attention through one SDPA call over the sequences padded to
-    the longest (keys past a sequence's end masked), its KV heads grouped (GQA); back to
-    the flat stream."""
+    """Each sequence's causal attention through one SDPA call over the sequences padded at
+    the end to the longest, its KV heads grouped (GQA); back to the flat stream."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     width, group = int(lengths.max()), query.shape[1] // key.shape[1]
     seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
@@ -276,11 +275,11 @@ def _sdpa_reference(query, key, value, cu_seqlens, scale):
         out = x.new_zeros(len(lengths), width, *x.shape[1:])
         return out.index_put((seq_of, position), x).transpose(1, 2)
 
-    keys = torch.arange(width, device=query.device)
-    mask = (keys[None, :] <= keys[:, None])[None] & (keys < lengths[:, None])[:, None, :]
+    # Causal alone: a real row (position < its length) attends keys 0..position, all real;
+    # the padded rows' outputs are dropped, so their gradients are zero (and no mask tensor
+    # keeps SDPA's causal path, which skips the blocks above the diagonal).
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
-                                         attn_mask=mask[:, None], scale=scale,
-                                         enable_gqa=group > 1)
+                                         is_causal=True, scale=scale, enable_gqa=group > 1)
     return out.transpose(1, 2)[seq_of, position]
 
 
