@@ -99,37 +99,48 @@ def trainer_rows(dtype: str, sampled: list, llm: LLM, rounds: int) -> list[tuple
     return rows
 
 
-def recipe_rows(recipe: str, seeds: list[int], overrides: list[str]) -> list[tuple[str, ...]]:
-    """One training run per (seed, exact on / off) of ``recipe``."""
+TRAINING_COLUMNS = ("steps", "diff max", "exact fraction min", "rollout s/step",
+                    "train s/step (halves)", "reward first 2 / last 2",
+                    "accuracy before / after")
+
+
+def training_row(recipe: str, overrides: list[str]) -> tuple[str, ...]:
+    """One training run of ``recipe`` with ``overrides`` (in a scratch output folder, no
+    W&B): the largest ``sampler_logprob_diff_max`` over the steps, the least
+    ``sampler_logprob_exact_fraction``, the mean rollout and training seconds per step (and
+    each over the first and second half of the steps), the mean reward over the first and
+    last two steps, and the held-out accuracy before and after (``TRAINING_COLUMNS``)."""
     import tempfile
 
     from tandem.trainers.config import load_config
     from tandem.trainers.trainer import Trainer
 
-    rows = [("exact", "seed", "steps", "diff max", "exact fraction min", "rollout s/step",
-             "train s/step (halves)", "reward first 2 / last 2", "accuracy before / after")]
+    with tempfile.TemporaryDirectory() as out:
+        config = load_config(recipe, [*overrides, f"output_dir={out}", "logging.wandb=false",
+                                      "logging.progress_bar=false"])
+        summary = Trainer(config).train()
+    steps = summary["history"]
+    half = len(steps) // 2
+    train = [m["train_seconds"] for m in steps]
+    rewards = [m["reward"] for m in steps]
+    return (str(len(steps)),
+            f"{max(m['sampler_logprob_diff_max'] for m in steps):.1e}",
+            f"{min(m['sampler_logprob_exact_fraction'] for m in steps):.3f}",
+            f"{statistics.mean(m['rollout_seconds'] for m in steps):.2f}",
+            f"{statistics.mean(train):.2f} ({statistics.mean(train[:half]):.2f} / "
+            f"{statistics.mean(train[half:]):.2f})",
+            f"{statistics.mean(rewards[:2]):.3f} / {statistics.mean(rewards[-2:]):.3f}",
+            f"{summary['before'].get('accuracy', float('nan')):.3f} / "
+            f"{summary['after'].get('accuracy', float('nan')):.3f}")
+
+
+def recipe_rows(recipe: str, seeds: list[int], overrides: list[str]) -> list[tuple[str, ...]]:
+    """One training run per (seed, exact on / off) of ``recipe`` (``training_row``)."""
+    rows = [("exact", "seed", *TRAINING_COLUMNS)]
     for seed in seeds:
         for exact in (True, False):
-            with tempfile.TemporaryDirectory() as out:
-                config = load_config(recipe, [*overrides, f"seed={seed}", f"output_dir={out}",
-                                              f"exact_logprobs={str(exact).lower()}",
-                                              "logging.wandb=false",
-                                              "logging.progress_bar=false"])
-                summary = Trainer(config).train()
-            steps = summary["history"]
-            half = len(steps) // 2
-            train = [m["train_seconds"] for m in steps]
-            rewards = [m["reward"] for m in steps]
-            rows.append((
-                "on" if exact else "off", str(seed), str(len(steps)),
-                f"{max(m['sampler_logprob_diff_max'] for m in steps):.1e}",
-                f"{min(m['sampler_logprob_exact_fraction'] for m in steps):.3f}",
-                f"{statistics.mean(m['rollout_seconds'] for m in steps):.2f}",
-                f"{statistics.mean(train):.2f} ({statistics.mean(train[:half]):.2f} / "
-                f"{statistics.mean(train[half:]):.2f})",
-                f"{statistics.mean(rewards[:2]):.3f} / {statistics.mean(rewards[-2:]):.3f}",
-                f"{summary['before'].get('accuracy', float('nan')):.3f} / "
-                f"{summary['after'].get('accuracy', float('nan')):.3f}"))
+            rows.append(("on" if exact else "off", str(seed), *training_row(
+                recipe, [*overrides, f"seed={seed}", f"exact_logprobs={str(exact).lower()}"])))
             print_table(rows)
     return rows
 

@@ -18,10 +18,16 @@ choice is the unquantized one's; on both, the mean and largest |Δ log-prob| of 
 completions' tokens (the sampler's gap to an unquantized trainer, which the
 importance-sampling correction weighs).
 
+``--part learning``: the main job (``recipes/grpo_arith.yaml``, or ``--recipe``) with its
+rollouts unquantized, int8 and fp8 (``rollout.quantization``), for each of ``--seeds``: the
+rewards and held-out accuracy, the sampler-trainer gap and the seconds per step
+(``exact_logprobs.training_row``).
+
 Run::
 
     python benchmarks/quantized.py --part kernels
     python benchmarks/quantized.py --part accuracy
+    python benchmarks/quantized.py --part learning --seeds 0 1
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from common import (
@@ -38,6 +45,7 @@ from common import (
     print_table,
     setup_torch,
 )
+from exact_logprobs import TRAINING_COLUMNS, training_row
 from grpo_cpu import GRPO_MESSAGES
 from matmul_floor import shape_groups
 
@@ -45,6 +53,7 @@ from tandem.kernels import cpu_linear, quantization
 from tandem.rollout import LLM, SamplingParams
 from tandem.trainers.tasks import build_task
 
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "grpo_arith.yaml"
 ROWS = (1, 8, 64)
 PASSES = 5
 ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -148,14 +157,36 @@ def accuracy_rows() -> list[tuple[str, ...]]:
     return lines
 
 
+def learning_rows(recipe: str, seeds: list[int], methods: list[str]) -> list[tuple[str, ...]]:
+    """The recipe trained with each of ``methods`` (``"none"``: unquantized rollouts), one
+    row per (seed, method)."""
+    rows = [("weights", "seed", *TRAINING_COLUMNS)]
+    for seed in seeds:
+        for method in methods:
+            setting = "null" if method == "none" else method
+            rows.append((method, str(seed), *training_row(
+                recipe, [f"seed={seed}", f"rollout.quantization={setting}"])))
+            print_table(rows)
+    return rows
+
+
 def main() -> None:
     """Run the part asked for and print its table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("kernels", "accuracy"), required=True)
+    parser.add_argument("--part", choices=("kernels", "accuracy", "learning"), required=True)
+    parser.add_argument("--recipe", default=str(RECIPE),
+                        help="the recipe of --part learning")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--methods", nargs="+", choices=("none", *quantization.QUANTIZATIONS),
+                        default=["none", *quantization.QUANTIZATIONS],
+                        help="the rollouts' weights in --part learning")
     args = parser.parse_args()
     setup_torch()
     print(f"quantized {args.part}: SmolLM2-135M-Instruct, threads={NUM_THREADS}")
-    print_table(kernel_rows() if args.part == "kernels" else accuracy_rows())
+    if args.part == "learning":
+        learning_rows(args.recipe, args.seeds, args.methods)
+    else:
+        print_table(kernel_rows() if args.part == "kernels" else accuracy_rows())
 
 
 if __name__ == "__main__":
