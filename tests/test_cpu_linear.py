@@ -8,6 +8,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from tandem.kernels import cpu_build, cpu_linear, quantization
@@ -434,3 +436,21 @@ def test_alias_serves_unpacked_weights_that_change_in_place(llama_dir, layout):
             param.mul_(1.1)  # no new commit: an aliased engine serves this as it is
     reference.update_weights(trainer.state_dict().items())
     assert completions(llm) == completions(reference)
+
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]))
+@settings(max_examples=40, deadline=None)
+def test_panels_of_stacked_pieces_written_over_old_panels_are_the_plain_layout(sizes, dtype):
+    # The reference: the stacked weight padded with zero rows to whole panels, each panel
+    # input-major. Written over the panels of other weights (an update's re-layout), no
+    # stale row survives, the padding included.
+    generator = torch.Generator().manual_seed(sum(sizes))
+    pieces = [torch.randn(n, 12, generator=generator).mul(9).to(dtype) for n in sizes]
+    stacked = torch.cat(pieces)
+    padded = torch.cat([stacked, stacked.new_zeros(-len(stacked) % cpu_linear.PANEL, 12)])
+    expected = padded.view(-1, cpu_linear.PANEL, 12).transpose(1, 2)
+    assert torch.equal(cpu_linear.panel_layout(pieces), expected)
+    old = cpu_linear.panel_layout(torch.full_like(padded, 7))
+    written = cpu_linear.panel_layout(pieces, old)
+    assert written.data_ptr() == old.data_ptr() and torch.equal(written, expected)

@@ -111,13 +111,31 @@ def store_column_major(weight: nn.Parameter, as_column_major: bool) -> None:
         weight.data = data.contiguous()
 
 
-def panel_layout(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` as ``cpu_linear.c``'s panels ``[ceil(out / PANEL), in,
-    PANEL]``: each panel ``PANEL`` output rows, stored input-major, the last padded with
-    zero rows."""
-    out_features, in_features = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -out_features % PANEL))
-    return padded.view(-1, PANEL, in_features).transpose(1, 2).contiguous()
+def panel_layout(weights: torch.Tensor | Sequence[torch.Tensor],
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weights`` ``[out, in]`` (one tensor, or several stacked along their outputs) as
+    ``cpu_linear.c``'s panels ``[ceil(out / PANEL), in, PANEL]``: each panel ``PANEL`` output
+    rows, stored input-major, the last padded with zero rows. Written into ``out`` where it
+    is of that shape and dtype (the panels of an earlier version of the weights: a re-layout
+    after an update touches no new memory), else into new panels; one strided copy per
+    tensor, without stacking them first."""
+    pieces = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    if any(piece.shape[0] % PANEL for piece in pieces[:-1]):  # one would start mid-panel
+        pieces = [torch.cat(pieces)]
+    out_features, in_features = sum(piece.shape[0] for piece in pieces), pieces[0].shape[1]
+    shape = (-(-out_features // PANEL), in_features, PANEL)
+    if out is None or out.shape != shape or out.dtype != pieces[0].dtype:
+        out = pieces[0].new_empty(shape)
+    rows = out.transpose(1, 2)  # [panels, PANEL, in]: each panel's rows
+    panel = 0
+    for piece in pieces:
+        full, rest = divmod(piece.shape[0], PANEL)
+        rows[panel:panel + full].copy_(piece[:full * PANEL].reshape(full, PANEL, in_features))
+        if rest:
+            rows[panel + full, :rest].copy_(piece[full * PANEL:])
+            rows[panel + full, rest:].zero_()
+        panel += full
+    return out
 
 
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
@@ -221,16 +239,16 @@ class PackedWeight:
                                                          _weight_scale(layer)) if t is not None]
         key = tuple((t.data_ptr(), t._version) for t in tensors)
         if key != self.key:
-            stacked = _stacked([layer.weight.detach() for layer in self.layers])
-            onednn = self.layout == "onednn"
-            _check_panel_dtype(stacked.dtype, onednn)
-            self.weight = torch.ops.mkldnn._reorder_linear_weight(stacked, None) if onednn \
-                else None
+            weights = [layer.weight.detach() for layer in self.layers]
+            dtype, onednn = weights[0].dtype, self.layout == "onednn"
+            _check_panel_dtype(dtype, onednn)
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(_stacked(weights), None) \
+                if onednn else None
             self.bias = self._stacked_bias()
-            self.panels = panel_layout(stacked) if not onednn or (
-                stacked.dtype == torch.float32 and cpu_build.available()) else None
+            self.panels = panel_layout(weights, self.panels) if not onednn or (
+                dtype == torch.float32 and cpu_build.available()) else None
             self.scales = _stacked([_weight_scale(layer) for layer in self.layers]) \
-                if is_quantized(stacked.dtype) else None
+                if is_quantized(dtype) else None
             self.key = key
         return self.bias
 

@@ -69,19 +69,20 @@ class _Linear(Function):
 
 
 def _kept(weight: torch.Tensor, parameter: nn.Parameter | None, name: str,
-          build: Callable[[torch.Tensor], object]) -> object:
-    """``build(weight)`` (its panels, its 8-bit codes). A trainer's parameter keeps what was
-    built for it under ``name`` (an attribute, dropped with it), built anew only after it
-    changes: an optimizer step writes it in place, which bumps its version. A computed
+          build: Callable[[torch.Tensor, object | None], object]) -> object:
+    """``build(weight, previous)`` (its panels, its 8-bit codes; ``previous`` what was built
+    for the weight's last version, to write over, or None). A trainer's parameter keeps what
+    was built for it under ``name`` (an attribute, dropped with it), built anew only after
+    it changes: an optimizer step writes it in place, which bumps its version. A computed
     weight (a merged adapter) is built at each call."""
     if parameter is None:
-        return build(weight)
+        return build(weight, None)
     key = (weight.data_ptr(), parameter._version, tuple(weight.shape), weight.dtype)
     if not hasattr(parameter, "_tandem_kept"):
         parameter._tandem_kept = {}
     kept = parameter._tandem_kept
     if name not in kept or kept[name][0] != key:
-        kept[name] = (key, build(weight))
+        kept[name] = (key, build(weight, kept[name][1] if name in kept else None))
     return kept[name][1]
 
 
@@ -105,9 +106,10 @@ def _triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def _quantized_panels(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                       parameter: nn.Parameter | None, method: str
                       ) -> tuple[torch.Tensor, Codes]:
-    def build(w: torch.Tensor) -> tuple[torch.Tensor, Codes]:
+    def build(w: torch.Tensor, previous: tuple[torch.Tensor, Codes] | None
+              ) -> tuple[torch.Tensor, Codes]:
         codes = quantization.quantize(w, method)
-        return cpu_linear.panel_layout(codes[0]), codes
+        return cpu_linear.panel_layout(codes[0], previous and previous[0]), codes
 
     panels, codes = _kept(weight, parameter, f"panels-{method}", build)
     return cpu_linear.panel_linear(rows, panels, weight.shape[0],
@@ -119,7 +121,7 @@ def _quantized_triton(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                       ) -> tuple[torch.Tensor, Codes]:
     from . import triton_linear  # only when the Triton kernels run
 
-    codes = _kept(weight, parameter, method, lambda w: quantization.quantize(w, method))
+    codes = _kept(weight, parameter, method, lambda w, _: quantization.quantize(w, method))
     return triton_linear.linear(rows, codes[0], bias, codes[1]), codes
 
 
