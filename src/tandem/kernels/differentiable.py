@@ -269,20 +269,23 @@ def _sdpa_reference(query, key, value, cu_seqlens, scale):
     """Each sequence's causal attention through one SDPA call over the sequences padded at
     the end to the longest, its KV heads grouped (GQA); back to the flat stream."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    width, group = int(lengths.max()), query.shape[1] // key.shape[1]
-    seq_of = torch.repeat_interleave(torch.arange(len(lengths), device=query.device), lengths)
-    position = torch.arange(query.shape[0], device=query.device) - cu_seqlens[:-1][seq_of]
+    seqs, width, group = len(lengths), int(lengths.max()), query.shape[1] // key.shape[1]
+    seq_of = torch.repeat_interleave(torch.arange(seqs, device=query.device), lengths)
+    # Token t's row in the padded [seqs * width] layout: index_copy / index_select, whose
+    # backwards are a gather and an index_add (an advanced index's is a sorting index_put).
+    flat = torch.arange(query.shape[0], device=query.device) + \
+        (seq_of * width - cu_seqlens[:-1][seq_of])
 
     def padded(x: torch.Tensor) -> torch.Tensor:  # [seqs, heads, width, head_dim]
-        out = x.new_zeros(len(lengths), width, *x.shape[1:])
-        return out.index_put((seq_of, position), x).transpose(1, 2)
+        rows = x.new_zeros(seqs * width, *x.shape[1:]).index_copy(0, flat, x)
+        return rows.view(seqs, width, *x.shape[1:]).transpose(1, 2)
 
     # Causal alone: a real row (position < its length) attends keys 0..position, all real;
     # the padded rows' outputs are dropped, so their gradients are zero (and no mask tensor
     # keeps SDPA's causal path, which skips the blocks above the diagonal).
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
                                          is_causal=True, scale=scale, enable_gqa=group > 1)
-    return out.transpose(1, 2)[seq_of, position]
+    return out.transpose(1, 2).reshape(seqs * width, *query.shape[1:]).index_select(0, flat)
 
 
 def training_ops(kernels: KernelOps) -> KernelOps:
