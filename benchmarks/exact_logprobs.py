@@ -105,6 +105,17 @@ TRAINING_COLUMNS = ("steps", "diff max", "exact fraction min", "rollout s/step",
 
 
 def training_row(recipe: str, overrides: list[str]) -> tuple[str, ...]:
+    """``trained_row`` in a fresh process, as ``tandem train`` runs: a run after another in
+    one process finds its memory already mapped, and skips the page faults of the first
+    steps that a user's run pays."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(trained_row, recipe, overrides).result()
+
+
+def trained_row(recipe: str, overrides: list[str]) -> tuple[str, ...]:
     """One training run of ``recipe`` with ``overrides`` (in a scratch output folder, no
     W&B): the largest ``sampler_logprob_diff_max`` over the steps, the least
     ``sampler_logprob_exact_fraction``, the mean rollout and training seconds per step (and
