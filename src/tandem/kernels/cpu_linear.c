@@ -219,12 +219,9 @@ static inline __attribute__((always_inline)) void panel_rows(
     /* the scales and bias of the panels' columns, zero past `width` (a partial panel) */
     vfloat scale[WIDE * VECTORS], shift[WIDE * VECTORS];
     for (int v = 0; v < count * VECTORS; v++) {
-        const int full = (v + 1) * LANES <= width;
         float lanes[LANES] = {0}, biases[LANES] = {0};
-        for (int j = 0; j < LANES; j++) {
+        for (int j = 0; j < LANES && v * LANES + j < width; j++) {
             const int64_t at = column + v * LANES + j;
-            if (!full && v * LANES + j >= width)
-                break;
             lanes[j] = format >= INT8 ? scales[at] : 1.0f;
             biases[j] = bias ? load_scalar(bias, at, bf16) : 0.0f;
         }
