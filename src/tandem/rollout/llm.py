@@ -188,7 +188,8 @@ class LLM:
 
     def sleep(self, level: int = 1, preempt: bool = False) -> None:
         """Free the KV pool (level 2: also move weights to CPU) while the trainer steps
-        (``preempt``: keep unfinished requests, recomputed after ``wake_up``)."""
+        (``preempt``: keep unfinished requests, recomputed after ``wake_up``). Not vLLM's
+        levels: its level 1 moves the weights (Tandem's 2), its level 2 discards them."""
         self.engine.sleep(level, preempt)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
