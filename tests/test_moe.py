@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
+from tandem.kernels import cpu_linear
 from tandem.rollout import LLM, Continuation, RequestOutput, SamplingParams, WeightUpdateError
 from tandem.rollout.worker.models import model_class
-from tandem.rollout.worker.models.moe import FusedMoE
+from tandem.rollout.worker.models.moe import FusedMoE, _expert_panels
 from tandem.rollout.worker.weight_offload import OffloadableWeights
 
 from .conftest import build_tokenizer
@@ -77,11 +78,23 @@ def test_greedy_tokens_and_log_probs_match_transformers(moe_dirs, kind):
 def test_updates_take_stacked_and_per_expert_layouts(moe_dirs, kind):
     fresh = greedy(LLM(str(moe_dirs[kind, 1])))
     stacked = LLM(str(moe_dirs[kind, 0]))  # a trainer's named_parameters(): experts stacked
+    before = greedy(stacked)  # the experts' panels laid out, then written over by the update
     stacked.update_weights(reference(moe_dirs[kind, 1]).named_parameters())
-    assert greedy(stacked) == fresh
+    assert greedy(stacked) == fresh != before
     per_expert = LLM(str(moe_dirs[kind, 0]))  # a checkpoint's names: one tensor per expert
     per_expert.update_weights(load_file(moe_dirs[kind, 1] / "model.safetensors").items())
     assert greedy(per_expert) == fresh
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_panels_are_each_experts_layout_written_over_the_last_versions(dtype):
+    weight = torch.randn(3, 40, 24).to(dtype)  # 40 rows: the last panel padded
+    previous = torch.full((3, 3, 24, cpu_linear.PANEL), float("nan"), dtype=dtype)
+    panels = _expert_panels(weight, previous)
+    assert panels.data_ptr() == previous.data_ptr()
+    assert torch.equal(panels, torch.stack([cpu_linear.panel_layout(w) for w in weight]))
+    other = _expert_panels(weight[:, :32], previous)  # another shape: new panels
+    assert other.data_ptr() != previous.data_ptr() and other.shape == (3, 2, 24, cpu_linear.PANEL)
 
 
 def test_a_bad_expert_tensor_is_named_and_nothing_changes(moe_dirs):

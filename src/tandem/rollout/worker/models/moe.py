@@ -94,7 +94,7 @@ class FusedMoE(nn.Module):
         key = (weight.data_ptr(), weight._version, weight.dtype)
         cached = self.panels.get(name)
         if cached is None or cached[0] != key:
-            panels = torch.stack([cpu_linear.panel_layout(w) for w in weight.detach()])
+            panels = _expert_panels(weight.detach(), None if cached is None else cached[1])
             cached = self.panels[name] = (key, panels)
         return cpu_linear.grouped_panel_linear(x.contiguous(), cached[1], offsets,
                                                weight.shape[1])
@@ -256,3 +256,17 @@ def _checkpoint_stem(prefix: str, spec: MoeSpec) -> str:
     block, _, experts = prefix.rpartition(".")
     layer, _, _ = block.rpartition(".")
     return f"{layer}.{spec.checkpoint_block}.{experts}"
+
+
+def _expert_panels(weight: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+    """Every expert's ``cpu_linear.panel_layout`` of the stacked ``weight`` ``[E, out, in]``,
+    stacked ``[E, panels, in, PANEL]``: written over ``previous`` (the panels of the last
+    version) where its shape and dtype match, so a re-layout after an update touches no new
+    memory."""
+    experts, out_features, in_features = weight.shape
+    shape = (experts, -(-out_features // cpu_linear.PANEL), in_features, cpu_linear.PANEL)
+    panels = previous if previous is not None and previous.shape == shape and \
+        previous.dtype == weight.dtype else weight.new_empty(shape)
+    for expert in range(experts):
+        cpu_linear.panel_layout(weight[expert], out=panels[expert])
+    return panels
