@@ -15,7 +15,8 @@ engines still alive):
   top-2 margin under bfloat16's spacing), and the margin is recorded; seeded sampling with
   overlapped steps against the landed path: the same tokens.
 - ``memory``: the engine's share at start and under load against ``gpu_memory_utilization``;
-  sleep and wake at both levels (seconds, their parts, what stays held), seeded sampling after.
+  the KV pool released alone and sleep at both levels, each woken (seconds, their parts, what
+  stays held; level 2 with the full update that must follow), seeded sampling after.
 - ``lifecycle``: an engine deleted by its only owner gives its memory back.
 - ``updates``: copy, alias and LoRA-merge updates against a fresh engine on the saved weights;
   the run-time LoRA layers against ``x W + s (x A) B`` in the same dtype.

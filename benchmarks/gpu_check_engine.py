@@ -146,8 +146,9 @@ def divergence_margins(rec: Recorder, folder: Path, prompts: list[list[int]],
 
 def check_memory(rec: Recorder, folder: Path) -> None:
     """The engine's share of the device at start and under load against
-    ``gpu_memory_utilization`` x total, then sleep and wake at both levels: their seconds,
-    what stays held asleep, and seeded sampling after wake against before."""
+    ``gpu_memory_utilization`` x total, then the KV pool alone released and sleep at both
+    of vLLM's levels, each woken (level 2 with the full update that must follow): their
+    seconds, what stays held asleep, and seeded sampling after wake against before."""
     utilization = 0.35
     baseline = device_used_bytes()
     llm = make_llm(rec, folder, **({} if rec.smoke else
@@ -164,17 +165,23 @@ def check_memory(rec: Recorder, folder: Path) -> None:
                    ok=used <= target if target else None)
     prompts = random_prompts(4 if rec.smoke else 8, 10, 60, seed=4)
     before = seeded(llm, prompts, 8 if rec.smoke else 24)
-    for level in (1, 2):
-        sleep_seconds = timed(lambda level=level: llm.sleep(level))
+    kept = [(name, t.to("cpu", copy=True)) for name, t in llm.engine.weight_parameters().items()]
+    sleeps = {"release_kv_cache_memory()": llm.release_kv_cache_memory,
+              "sleep(1)": lambda: llm.sleep(1), "sleep(2)": lambda: llm.sleep(2)}
+    for name, sleep in sleeps.items():
+        sleep_seconds = timed(sleep)
         held = device_used_bytes() - baseline
         wake_seconds = timed(llm.wake_up)
         parts = {k: round(v, 4) for k, v in llm.stats().items()
                  if k.startswith(("sleep_", "wake_")) and isinstance(v, float)}
-        rec.record("memory", f"sleep({level})", timed_sleep=round(sleep_seconds, 3),
+        # sleep(2) discarded the weights: the full update a trainer sends brings them back
+        update = {"update_after_wake": round(timed(lambda: llm.update_weights(kept)), 3)} \
+            if name == "sleep(2)" else {}
+        rec.record("memory", name, timed_sleep=round(sleep_seconds, 3),
                    timed_wake=round(wake_seconds, 3), held_asleep_gib=round(held / 2**30, 2),
-                   graphs=llm.stats()["num_decode_graphs"], **parts)
+                   graphs=llm.stats()["num_decode_graphs"], **update, **parts)
         after = seeded(llm, prompts, 8 if rec.smoke else 24)
-        rec.record("memory", f"seeded sampling after sleep({level}) = before",
+        rec.record("memory", f"seeded sampling after {name} = before",
                    **compare_samples(after, before))
 
 

@@ -134,10 +134,13 @@ class EngineMachine(RuleBasedStateMachine):
         except ValueError:
             return
 
-    @rule(preempt=st.booleans())
-    def sleep_and_wake(self, preempt: bool) -> None:
+    @rule(preempt=st.booleans(), kv_only=st.booleans())
+    def sleep_and_wake(self, preempt: bool, kv_only: bool) -> None:
         try:
-            self.engine.sleep(1, preempt=preempt)
+            if kv_only:
+                self.engine.release_kv_cache_memory(preempt=preempt)
+            else:
+                self.engine.sleep(1, preempt=preempt)
         except (ValueError, RuntimeError) as exc:  # sleep with requests in flight is refused
             assert "sleep" in str(exc)
             return

@@ -228,7 +228,9 @@ def test_scales_survive_sleep_wake_and_weight_updates(llama_dir):
     before = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].logprobs for o in before] != [o.outputs[0].logprobs for o in unit]
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
-    for change in (lambda: (llm.sleep(1), llm.wake_up()), lambda: (llm.sleep(2), llm.wake_up()),
+    for change in (lambda: (llm.sleep(1), llm.wake_up()),
+                   lambda: (llm.sleep(2), llm.wake_up(),
+                            llm.update_weights(model.named_parameters())),
                    lambda: llm.update_weights(model.named_parameters())):
         change()
         assert torch.equal(runner.kv_scales, scales)

@@ -253,14 +253,14 @@ def test_routed_experts_come_over_the_rollouts_route(moe_dirs):
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_the_plan_counts_the_experts_and_sleep_2_offloads_them(moe_dirs, kind):
+def test_the_plan_counts_the_experts_and_sleep_1_offloads_them(moe_dirs, kind):
     folder = moe_dirs[kind, 0]
     llm, hf_model = LLM(str(folder)), reference(folder)
     runner = llm.engine.runner
     hf_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
     assert runner.weight_bytes() == hf_bytes  # every expert's weights, counted once
     before = greedy(llm)
-    # sleep(2) on CUDA offloads the weights' region, made at load; here made on CPU
+    # sleep(1) on CUDA offloads the weights' region, made at load; here made on CPU
     model = runner.model
     weights = OffloadableWeights(model, torch.device("cpu"))
     weights.offload(model)

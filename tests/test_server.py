@@ -408,6 +408,11 @@ def test_sleep_refuses_generation_until_wake_up(served):
     assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).status_code == 200
     assert httpx.post(f"{url}/v1/completions", headers=AUTH,
                       json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    assert httpx.post(f"{url}/release_kv_cache_memory", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
+    assert httpx.post(f"{url}/wake_up", headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
+    assert httpx.post(f"{url}/sleep", params={"level": 3}, headers=AUTH).status_code == 400
 
 
 def test_serve_freezes_what_start_up_loaded_until_it_shuts_down(llama_dir):

@@ -202,9 +202,14 @@ def test_a_killed_worker_is_reported_not_waited_for(model_dir):
 def test_sleep_and_wake_act_on_every_rank(model_dir):
     llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, **OPTIONS)
     before = greedy(llm)
-    llm.sleep(2)  # frees every rank's pool and moves the weights to CPU (already there)
+    kept = AutoModelForCausalLM.from_pretrained(model_dir("llama"), dtype=torch.float32)
+    llm.sleep(1)  # frees every rank's pool and moves its weights to CPU (already there)
     llm.wake_up()
     assert greedy(llm) == before and llm.engine.runner.kv_cache_bytes() > 0
+    llm.sleep(2)  # discards every rank's weights: a full update brings them back
+    llm.wake_up()
+    llm.update_weights(kept.named_parameters())
+    assert greedy(llm) == before
 
 
 def test_a_hung_worker_is_reported_within_the_timeout(model_dir, monkeypatch):

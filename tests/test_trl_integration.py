@@ -75,7 +75,8 @@ def test_grpo_trainer_trains_with_tandem_generating_and_sleeping(llama_dir, tmp_
     assert_on_policy_with_a_sync_per_round(trainer, logs)
     assert all(0.0 <= log["tandem/prefix_cache_hit_rate"] <= 1.0 for log in logs)
     # The KV pool is freed after each round; the next round's sync lands asleep.
-    assert trainer.vllm_generation.llm.engine.sleep_level == 1
+    engine = trainer.vllm_generation.llm.engine
+    assert engine.released == {"kv_cache"} and engine.weights == "resident"
     assert all("tandem/wake_seconds" in log and "tandem/sleep_seconds" in log for log in logs)
     # TRL's tool loop reads the context limit at vLLM's path.
     assert trainer.vllm_generation.llm.llm_engine.model_config.max_model_len == 128

@@ -181,34 +181,45 @@ def weight_addresses(llm: LLM) -> list[int]:
     return [param.data_ptr() for param in llm.engine.runner.model.parameters()]
 
 
+def fall_asleep(llm: LLM, how: str) -> None:
+    """``sleep(1)``, ``sleep(2)`` or ``release_kv_cache_memory()``, by name."""
+    if how == "kv cache only":
+        llm.release_kv_cache_memory()
+    else:
+        llm.sleep(int(how[-1]))
+
+
 @pytest.mark.parametrize("weight_region", [False, True])
-@pytest.mark.parametrize("level", [1, 2])
-def test_sleep_frees_pool_and_wake_restores_same_output(llama_dir, monkeypatch, level,
+@pytest.mark.parametrize("how", ["kv cache only", "level 1", "level 2"])
+def test_sleep_frees_pool_and_wake_restores_same_output(llama_dir, monkeypatch, how,
                                                         weight_region):
     llm = LLM(str(llama_dir), num_kv_blocks=64)
     if weight_region:
         with_weight_region(llm)
     runner = llm.engine.runner
     before = outputs(llm)
+    kept = {name: t.clone() for name, t in llm.engine.weight_parameters().items()}
     pool_bytes, pool_address = llm.stats()["kv_cache_bytes"], runner.kv_cache.data_ptr()
     weights = weight_addresses(llm)
     assert pool_bytes > 0 and runner.kv_cache.count_nonzero() > 0
     captures = captures_of(llm, monkeypatch)
-    llm.sleep(level)
+    fall_asleep(llm, how)
+    level = {"kv cache only": 0, "level 1": 1, "level 2": 2}[how]
     assert llm.stats()["kv_cache_bytes"] == 0 and llm.stats()["sleep_level"] == level
-    assert runner.kv_region.released
+    assert llm.is_sleeping and runner.kv_region.released
     assert weight_region == (runner.offloadable_weights is not None)
-    if weight_region:
-        assert runner.offloadable_weights.offloaded == (level == 2)
+    if weight_region:  # the weights leave the device (level 1 in a copy) but for the KV only
+        assert runner.offloadable_weights.offloaded == (level > 0)
+        assert runner.offloadable_weights.discarded == (level == 2)
     with pytest.raises(EngineAsleepError, match="wake_up"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     llm.wake_up(["weights"])
-    assert llm.stats()["sleep_level"] == level and llm.stats()["kv_cache_bytes"] == 0
+    assert llm.is_sleeping and llm.stats()["kv_cache_bytes"] == 0
     with pytest.raises(ValueError, match="unknown wake_up tags"):
         llm.wake_up(["optimizer"])
     llm.wake_up(["kv_cache"])
     stats = llm.stats()
-    assert stats["sleep_level"] == 0
+    assert stats["sleep_level"] == 0 and not llm.is_sleeping
     assert stats["kv_cache_bytes"] == pool_bytes and stats["kv_blocks_used"] == 0
     # The pool and weights are back at their addresses, the pool zeroed: no capture is due.
     assert runner.kv_cache.data_ptr() == pool_address and not runner.kv_cache.count_nonzero()
@@ -217,7 +228,34 @@ def test_sleep_frees_pool_and_wake_restores_same_output(llama_dir, monkeypatch, 
         stats["wake_kv_cache_seconds"] + stats["wake_capture_seconds"]
     assert stats["sleep_seconds"] >= stats["sleep_kv_cache_seconds"] + \
         stats["sleep_weights_seconds"] > 0
+    if level == 2:  # discarded (in a region, zeroed): the next full update brings them back
+        with pytest.raises(EngineAsleepError, match="discarded by sleep"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.update_weights(kept.items())
     assert outputs(llm) == before == outputs(LLM(str(llama_dir), num_kv_blocks=64))
+
+
+@pytest.mark.parametrize("weight_region", [False, True])
+def test_discarded_weights_take_only_a_full_update_once_awake(llama_dir, tmp_path,
+                                                               weight_region):
+    llm = LLM(str(llama_dir))
+    if weight_region:
+        with_weight_region(llm)
+    trainer = trainer_model(llama_dir, seed=7)
+    tensors = dict(trainer.state_dict())
+    llm.sleep(2)
+    with pytest.raises(EngineAsleepError, match=r"wake_up\(tags=\['weights'\]\)"):
+        llm.update_weights(tensors.items())  # their memory is not there yet
+    llm.wake_up(["weights"])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    llm.update_weights([(name, tensors[name])], full=False)  # a part leaves the rest stale
+    with pytest.raises(EngineAsleepError, match="full"):
+        llm.engine.full_weight(name)  # what a LoRA merge starts from
+    llm.wake_up()
+    with pytest.raises(EngineAsleepError, match="discarded by sleep"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.update_weights(tensors.items()) == 2
+    assert completions(llm) == fresh_completions(trainer, llama_dir, tmp_path)
 
 
 def test_an_adapter_served_from_a_sleep_is_captured_on_wake(llama_dir, monkeypatch):
@@ -242,7 +280,7 @@ def test_update_while_asleep_applies(llama_dir, tmp_path, monkeypatch, alias, we
         with_weight_region(llm)
     trainer = trainer_model(llama_dir, seed=7)
     captures = captures_of(llm, monkeypatch)
-    llm.sleep(2)
+    llm.sleep(1)  # the weights offloaded: the update lands in their host copy
     llm.update_weights(trainer.state_dict().items(), alias=alias)
     llm.wake_up()
     # Adopted tensors moved the weights (ending their region): only then a capture is due.

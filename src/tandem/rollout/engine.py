@@ -30,7 +30,7 @@ from .outputs import RequestOutput, RoutingFormat
 from .parallel.executor import make_runner
 from .parallel.tensor_parallel import TensorParallel
 from .sampling_params import SamplingParams
-from .sleep_mode import SleepWakeSeconds
+from .sleep_mode import STALE_WEIGHTS, SleepWakeSeconds
 from .step_overlap import StepOverlap
 from .structured_outputs import Grammar
 from .worker.cpu_allocator import keep_freed_memory
@@ -80,7 +80,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.weight_version = 0
         self.kv_blocks_used_peak = 0
-        self.sleep_level, self.weights_offloaded = 0, False
+        self.sleep_level = 0  # the deepest level since the last full wake_up (see sleep_mode)
+        self.released: set[str] = set()  # what sleeps: "weights", "kv_cache" (vLLM's tags)
+        self.weights = "resident"  # or, asleep, "offloaded" or "discarded"
+        self.weights_stale = False  # discarded, and no full update since
         self.sleep_wake_seconds = SleepWakeSeconds()
         # Held by every step and by weight commits, so an update lands between steps.
         self.lock = threading.RLock()
@@ -158,9 +161,12 @@ class LLMEngine:
             ValueError, EngineAsleepError: as ``add_request``, for any of them, and for
                 lists of different lengths.
         """
-        if self.sleep_level:
-            raise EngineAsleepError("the engine is asleep (its KV pool is freed): call "
+        if self.released:
+            released = " and ".join(sorted(self.released))
+            raise EngineAsleepError(f"the engine is asleep (its {released} released): call "
                                     "wake_up() before generating.")
+        if self.weights_stale:
+            raise EngineAsleepError(STALE_WEIGHTS)
         self._check_new_requests(request_ids, prompts, params, hold_kv)
         resolved = [self._resolve(prompt) for prompt in prompts]
         grammars = [self.compile_grammar(p) for p in params]
@@ -216,7 +222,7 @@ class LLMEngine:
         Raises:
             EngineAsleepError: while the engine sleeps with requests it kept.
         """
-        if self.sleep_level and self.requests:
+        if self.released and self.requests:
             raise EngineAsleepError("the engine is asleep: call wake_up() before stepping.")
         with self.lock:
             return self._step()
@@ -284,6 +290,7 @@ class LLMEngine:
         return plan | self.sleep_wake_seconds.as_stats() | self.runner.stats() \
             | self.block_manager.stats() | self.scheduler.stats() | {
                 "sleep_level": self.sleep_level,
+                "is_sleeping": int(self.is_sleeping),
                 "kv_blocks_used_peak": self.kv_blocks_used_peak,
                 "weight_version": self.weight_version,
                 "held_sequences": len(self.held),
@@ -346,7 +353,13 @@ class LLMEngine:
 
     def full_weight(self, name: str) -> torch.Tensor:
         """The current whole weight ``name`` (Hugging Face shape), under tensor parallelism
-        gathered from the ranks' slices (what LoRA merging keeps as its base)."""
+        gathered from the ranks' slices (what LoRA merging keeps as its base).
+
+        Raises:
+            EngineAsleepError: while the weights are discarded (``sleep(2)``).
+        """
+        if self.weights_stale:
+            raise EngineAsleepError(STALE_WEIGHTS)
         with self.lock:
             return self.runner.full_weight(name)
 
@@ -369,12 +382,17 @@ class LLMEngine:
             WeightUpdateError: when a tensor-parallel rank refuses its slice (no rank
                 applies the update).
         """
+        if self.weights == "discarded":
+            raise EngineAsleepError("the weights' memory was released by sleep(level=2): "
+                                    "call wake_up(tags=['weights']) before updating them.")
         with self.lock:
             self.steps.drain(self.scheduler)  # sampled under the old weights
             moved = self.runner.commit_weights(staged, alias)
             self._serve_version(version, None)
             if moved:
                 self._recapture_graphs()
+            if self.weights_stale and staged.keys() >= self.weight_parameters().keys():
+                self.weights_stale = False
 
     def commit_lora(self, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
                     version: int, lora_id: int) -> None:
@@ -413,15 +431,37 @@ class LLMEngine:
         self.block_manager.extra_key = (version, lora_id)
         self.scheduler.release_held_kv()
 
+    @property
+    def is_sleeping(self) -> bool:
+        """True between a ``sleep`` (or ``release_kv_cache_memory``) and the ``wake_up``
+        that restores everything."""
+        return bool(self.released)
+
     def sleep(self, level: int = 1, preempt: bool = False) -> None:
-        """Free the KV pool (level 2 also moves the weights to CPU) while a trainer steps.
-        With ``preempt`` unfinished requests are kept: their KV is freed and they recompute
+        """vLLM's sleep levels: 1 moves the weights to CPU and frees the KV pool; 2 discards
+        both (the next update must be a full one: until then generating is refused). With
+        ``preempt`` unfinished requests are kept: their KV is freed and they recompute
         after ``wake_up`` (partial rollouts carried across a step).
 
         Raises:
             ValueError: for a level but 1 or 2, or with requests unfinished (no ``preempt``).
         """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is invalid: use 1 (move the weights to CPU "
+                             "and free the KV pool) or 2 (discard both; the next update "
+                             "brings every weight back), or release_kv_cache_memory() to "
+                             "free the KV pool alone.")
         sleep_mode.sleep(self, level, preempt)
+
+    def release_kv_cache_memory(self, preempt: bool = False) -> None:
+        """Free the KV pool alone, the weights staying where they are (vLLM's name): what a
+        colocated trainer does between steps; ``wake_up`` restores it; ``preempt`` as in
+        ``sleep``.
+
+        Raises:
+            ValueError: with requests unfinished (no ``preempt``).
+        """
+        sleep_mode.sleep(self, 0, preempt)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore what ``sleep`` released at the same addresses (the decode graphs stay
@@ -435,7 +475,7 @@ class LLMEngine:
 
     def _recapture_graphs(self) -> None:
         self.runner.drop_graphs()  # asleep, wake_up captures them once the pool is back
-        if not self.sleep_level:
+        if not self.released:
             self.runner.capture_graphs()
 
     def reset_prefix_cache(self) -> None:

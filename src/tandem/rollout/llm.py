@@ -122,8 +122,9 @@ class LLM:
 
     @property
     def is_sleeping(self) -> bool:
-        """True between ``sleep`` and the ``wake_up`` that restores everything."""
-        return self.engine.sleep_level > 0
+        """True between ``sleep`` (or ``release_kv_cache_memory``) and the ``wake_up`` that
+        restores everything."""
+        return self.engine.is_sleeping
 
     @property
     def max_model_len(self) -> int:
@@ -187,10 +188,14 @@ class LLM:
         return self.engine.update_weights(named_tensors, version, full, alias)
 
     def sleep(self, level: int = 1, preempt: bool = False) -> None:
-        """Free the KV pool (level 2: also move weights to CPU) while the trainer steps
-        (``preempt``: keep unfinished requests, recomputed after ``wake_up``). Not vLLM's
-        levels: its level 1 moves the weights (Tandem's 2), its level 2 discards them."""
+        """vLLM's levels: 1 moves the weights to CPU and frees the KV pool, 2 discards both
+        (push every weight before generating again) while the trainer steps (``preempt``:
+        keep unfinished requests, recomputed after ``wake_up``)."""
         self.engine.sleep(level, preempt)
+
+    def release_kv_cache_memory(self, preempt: bool = False) -> None:
+        """Free the KV pool alone (the weights stay) until ``wake_up`` (vLLM's name)."""
+        self.engine.release_kv_cache_memory(preempt)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore the weights and a fresh KV pool after ``sleep`` (``tags``: only some)."""

@@ -1,8 +1,10 @@
-"""Sleep mode: the engine frees its KV pool (level 2 also moves its weights to host memory)
-while a trainer steps, and restores both at the same addresses, so the decode graphs stay
-valid (``ModelRunner.graphs_current``). ``LLMEngine.sleep`` and ``wake_up`` call these
-under the engine's lock, timing each part in ``SleepWakeSeconds`` (``stats()``'s
-``sleep_*`` and ``wake_*`` seconds).
+"""Sleep mode, in vLLM's terms: ``sleep(1)`` moves the weights to host memory and frees the
+KV pool, ``sleep(2)`` discards both (the next update must bring every weight back), and
+``release_kv_cache_memory`` frees the KV pool alone (the weights stay: what a colocated
+trainer uses between steps). ``wake_up`` restores what was released at the same addresses,
+so the decode graphs stay valid (``ModelRunner.graphs_current``). ``LLMEngine`` calls these
+under its lock, timing each part in ``SleepWakeSeconds`` (``stats()``'s ``sleep_*`` and
+``wake_*`` seconds).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
     from .engine import LLMEngine
 
 WAKE_TAGS = ("weights", "kv_cache")
+STALE_WEIGHTS = ("the weights were discarded by sleep(level=2): push every weight (a full "
+                 "update) before generating or merging an adapter, or sleep(level=1) to keep "
+                 "them.")
 
 
 @dataclass(slots=True)
@@ -47,11 +52,11 @@ class SleepWakeSeconds:
         return {f"{part}_seconds": seconds for part, seconds in asdict(self).items()}
 
 
+WEIGHTS_AT_LEVEL = {0: "resident", 1: "offloaded", 2: "discarded"}
+
+
 def sleep(engine: LLMEngine, level: int, preempt: bool) -> None:
-    """See ``LLMEngine.sleep``."""
-    if level not in (1, 2):
-        raise ValueError(f"sleep level {level} is invalid: use 1 (free the KV pool) or 2 "
-                         "(also move the weights to CPU).")
+    """See ``LLMEngine.sleep`` (level 0: ``release_kv_cache_memory``)."""
     if engine.has_unfinished_requests() and not preempt:
         raise ValueError("cannot sleep with unfinished requests: let them finish, abort "
                          "them, or sleep(preempt=True) to recompute them after wake_up.")
@@ -61,11 +66,23 @@ def sleep(engine: LLMEngine, level: int, preempt: bool) -> None:
             engine.scheduler.preempt_all()
             engine.scheduler.release_held_kv()
             engine.runner.free_kv_cache()
+            engine.released.add("kv_cache")
         with engine.sleep_wake_seconds.timing("sleep_weights"):
-            if level == 2 and not engine.weights_offloaded:
-                engine.runner.offload_weights()
-                engine.weights_offloaded = True
-        engine.sleep_level = level
+            _release_weights(engine, WEIGHTS_AT_LEVEL[level])
+        engine.sleep_level = max(engine.sleep_level, level)
+
+
+def _release_weights(engine: LLMEngine, where: str) -> None:
+    """Move the weights to the host or discard them (a deeper sleep than the last only)."""
+    if where == "resident" or engine.weights == "discarded" or engine.weights == where:
+        return
+    if where == "offloaded":
+        engine.runner.offload_weights()
+    else:  # from device memory (or, after a level 1 sleep, from the host buffer)
+        engine.runner.discard_weights()
+        engine.weights_stale = True
+    engine.weights = where
+    engine.released.add("weights")
 
 
 def wake_up(engine: LLMEngine, tags: Collection[str] | None) -> None:
@@ -76,16 +93,17 @@ def wake_up(engine: LLMEngine, tags: Collection[str] | None) -> None:
                          f"{', '.join(WAKE_TAGS)}.")
     with engine.lock, engine.sleep_wake_seconds.timing("wake"):  # stats() wake_*_seconds
         with engine.sleep_wake_seconds.timing("wake_weights"):
-            if "weights" in tags and engine.weights_offloaded:
+            if "weights" in tags and "weights" in engine.released:
                 engine.runner.reload_weights()
-                engine.weights_offloaded = False
+                engine.weights = "resident"
+                engine.released.discard("weights")
         with engine.sleep_wake_seconds.timing("wake_kv_cache"):
-            if "kv_cache" in tags and engine.runner.kv_cache_bytes() == 0:
+            if "kv_cache" in tags and "kv_cache" in engine.released:
                 engine.runner.allocate_kv_cache(engine.num_kv_blocks)
                 engine.new_pool()
+                engine.released.discard("kv_cache")
         with engine.sleep_wake_seconds.timing("wake_capture"):
-            runner = engine.runner
-            if engine.sleep_level and not engine.weights_offloaded and runner.kv_cache_bytes():
+            if engine.sleep_level and not engine.released:
                 engine.sleep_level = 0
-                if not engine.runner.graphs_current():
-                    engine.runner.capture_graphs()
+            if not engine.released and not engine.runner.graphs_current():
+                engine.runner.capture_graphs()

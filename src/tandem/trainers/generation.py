@@ -207,9 +207,10 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
 
 
 def timed_sleep(llm: LLM, preempt: bool = False) -> float:
-    """Put the engine to sleep at level 1 (its KV pool freed; ``preempt``: unfinished
-    requests kept, to recompute on wake-up); returns the seconds it took."""
-    return timed(llm.sleep, 1, preempt)[1]
+    """Free the engine's KV pool, its weights kept (``release_kv_cache_memory``;
+    ``preempt``: unfinished requests kept, to recompute on wake-up); returns the seconds it
+    took."""
+    return timed(llm.release_kv_cache_memory, preempt)[1]
 
 
 def timed_wake(llm: LLM) -> float | None:

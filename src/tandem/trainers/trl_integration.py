@@ -165,7 +165,7 @@ class TandemGeneration(VLLMGeneration):
         self.lora_sync = (LoraSync(self.llm, mode=self.tandem.lora_sync_mode)
                           if is_peft_model(self.model) and not sharded else None)
         if self.enable_sleep_mode:
-            self.llm.sleep(1)
+            self.llm.release_kv_cache_memory()
         self.accelerator.wait_for_everyone()
 
     def _sampling_params(self) -> SamplingParams:

@@ -262,6 +262,11 @@ class DriverRunner(ShardedRunner):
         self.workers.send("offload_weights", {})
         super().offload_weights()
 
+    def discard_weights(self) -> None:
+        """Release every rank's weights without keeping them (``sleep(2)``)."""
+        self.workers.send("discard_weights", {})
+        super().discard_weights()
+
     def reload_weights(self) -> None:
         """Move every rank's weights back to its device."""
         self.workers.send("reload_weights", {})

@@ -29,8 +29,8 @@ from . import wire
 from .tensor_parallel import TensorParallel, device_group, rank_device
 
 # What a message may ask of the worker's runner (and nothing else).
-RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "reload_weights",
-              "commit_slices", "set_lora", "full_weight", "capture_graphs")
+RUNNER_OPS = ("allocate_kv_cache", "free_kv_cache", "offload_weights", "discard_weights",
+              "reload_weights", "commit_slices", "set_lora", "full_weight", "capture_graphs")
 
 
 def serve(args: dict[str, Any]) -> None:

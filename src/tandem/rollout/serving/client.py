@@ -120,8 +120,13 @@ class TandemClient:
         self.sender = senders[0]
 
     def sleep(self, level: int = 1) -> None:
-        """Free the server's KV pool (level 2: also its weights) while the trainer steps."""
+        """Put the server to sleep at vLLM's ``level`` (1: weights to CPU, KV pool freed;
+        2: both discarded, a full weight update must follow) while the trainer steps."""
         self.post(f"/sleep?level={level}")
+
+    def release_kv_cache_memory(self) -> None:
+        """Free the server's KV pool alone (its weights stay) until ``wake_up``."""
+        self.post("/release_kv_cache_memory")
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore what ``sleep`` freed (``tags``: only ``weights`` or ``kv_cache``)."""

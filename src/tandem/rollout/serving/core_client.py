@@ -106,7 +106,7 @@ class EngineMirror:
         self.input_processor = InputProcessor(self.tokenizer, ready.vocab_size,
                                               ready.max_model_len, ready.eos_token_ids)
         self.weight_version = 0
-        self.sleep_level = 0
+        self.is_sleeping = False
 
     def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
         """As ``LLMEngine.process_prompt`` (ValueError for a prompt it cannot take)."""
@@ -193,10 +193,10 @@ class ProcessCore:
                                   f"{self.process.exitcode}).") from exc
 
     def observe(self, message: CallResult | StepReport) -> None:
-        """Keep the mirror's weight version (and, after a call, sleep level) current."""
+        """Keep the mirror's weight version (and, after a call, whether it sleeps) current."""
         self.engine.weight_version = message.weight_version
         if isinstance(message, CallResult):
-            self.engine.sleep_level = message.sleep_level
+            self.engine.is_sleeping = message.is_sleeping
 
     def close(self) -> None:
         """Ask the core to stop, wait for it (terminating it past ``CORE_STOP_SECONDS``)."""

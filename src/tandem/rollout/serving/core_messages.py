@@ -31,13 +31,13 @@ class CoreCall:
 @dataclass(slots=True)
 class CallResult:
     """A ``CoreCall``'s return value, or the exception it raised; with the engine's weight
-    version and sleep level after it."""
+    version after it, and whether it sleeps."""
 
     call_id: int
     value: Any = None
     error: BaseException | None = None
     weight_version: int = 0
-    sleep_level: int = 0
+    is_sleeping: bool = False
 
 
 @dataclass(slots=True)

@@ -102,7 +102,7 @@ class EngineCore:
             error = exc
         if command.call_id is not None:
             self.emit(CallResult(command.call_id, value, error, self.engine.weight_version,
-                                 self.engine.sleep_level))
+                                 self.engine.is_sleeping))
 
     def _step(self) -> None:
         started = time.monotonic()

@@ -1,7 +1,7 @@
 """Tandem's RL routes: ``/v1/rollouts`` (``LLM.generate``'s shapes over HTTP) and vLLM's
 engine controls a trainer drives between steps: ``/reset_prefix_cache``, ``/sleep``,
-``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/server_info``
-and ``/get_world_size``."""
+``/release_kv_cache_memory``, ``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``,
+``/is_paused``, ``/server_info`` and ``/get_world_size``."""
 
 from __future__ import annotations
 
@@ -52,8 +52,14 @@ def _sleep_routes(server: TandemServer) -> APIRouter:
 
     @router.post("/sleep")
     async def sleep(level: Annotated[int, Query(ge=1, le=2, description=(
-            "1 frees the KV pool, 2 also moves the weights to CPU."))] = 1) -> dict[str, Any]:
+            "vLLM's: 1 moves the weights to CPU and frees the KV pool, 2 discards both (a "
+            "full weight update must follow)."))] = 1) -> dict[str, Any]:
         await async_engine.call("sleep", level)
+        return {}
+
+    @router.post("/release_kv_cache_memory")
+    async def release_kv_cache_memory() -> dict[str, Any]:
+        await async_engine.call("release_kv_cache_memory")
         return {}
 
     @router.post("/wake_up")
@@ -63,7 +69,7 @@ def _sleep_routes(server: TandemServer) -> APIRouter:
 
     @router.get("/is_sleeping")
     async def is_sleeping() -> dict[str, Any]:
-        return {"is_sleeping": engine.sleep_level > 0}
+        return {"is_sleeping": engine.is_sleeping}
 
     return router
 

@@ -4,11 +4,12 @@
 request, the error handlers, and three groups of routes sharing one ``TandemServer``:
 ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``
 (``openai_routes``); ``/v1/rollouts`` (Tandem's: ``LLM.generate``'s shapes over HTTP),
-``/reset_prefix_cache``, ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``,
-``/is_paused``, ``/server_info``, ``/get_world_size`` (``rl_routes``); and, with
-``enable_weight_transfer``, ``/init_weight_transfer_engine``, ``/start_weight_update``,
-``/update_weights``, ``/finish_weight_update`` (``weight_transfer_routes``). Its
-``/openapi.json`` says what it answers (openapi.py).
+``/reset_prefix_cache``, ``/sleep``, ``/release_kv_cache_memory``, ``/wake_up``,
+``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/server_info``,
+``/get_world_size`` (``rl_routes``); and, with ``enable_weight_transfer``,
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+``/finish_weight_update`` (``weight_transfer_routes``). Its ``/openapi.json`` says what it
+answers (openapi.py).
 
 ``serve`` shuts down gracefully on SIGTERM: uvicorn stops listening, the loop refuses new
 requests (503) and gives the running ones ``shutdown_timeout`` seconds, then aborts the rest

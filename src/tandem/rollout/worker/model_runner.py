@@ -83,7 +83,7 @@ class ModelRunner:
         if config.quantization is not None:  # vLLM's online quantization, after loading
             self.model.quantize_weights(config.quantization)
         self.model.eval()
-        # On CUDA the weights live in one releasable region: sleep(2) offloads them in one copy.
+        # On CUDA the weights live in one releasable region: sleep(1) offloads them in one copy.
         self.offloadable_weights = releasable_or_none(
             lambda: OffloadableWeights(self.model, device), "weights") \
             if device.type == "cuda" else None
@@ -401,9 +401,22 @@ class ModelRunner:
             self._move_rotary("cpu")
         self._return_cached_device_memory()
 
+    def discard_weights(self) -> None:
+        """Release the weights' memory without keeping them (``sleep(2)``; the next full
+        update brings them back): on CUDA their region, remapped zeroed at the same
+        addresses on ``reload_weights``; where no region holds them (on CPU, or after an
+        alias update) they are kept as ``offload_weights`` keeps them."""
+        weights = self._offloadable_weights()
+        if weights is None:
+            self.offload_weights()
+            return
+        weights.discard()
+        self._return_cached_device_memory()
+
     def reload_weights(self) -> None:
         """Move the weights back to the engine's device: to their old addresses where they
-        left in one copy; anything else on CPU (LoRA factors set while asleep) follows."""
+        left in one copy (zeroed where they were discarded); anything else on CPU (LoRA
+        factors set while asleep) follows."""
         weights = self._offloadable_weights()
         if weights is not None:
             weights.reload(self.model)

@@ -1,11 +1,12 @@
 """A model's parameters in one releasable region, offloaded to host memory in one copy.
 
-``sleep(2)`` hands the weights' device memory to the trainer. Parameter by parameter
+``sleep(1)`` hands the weights' device memory to the trainer. Parameter by parameter
 (``model.to("cpu")``) that is hundreds of copies through pageable memory, and the weights
 come back at new addresses, so the decode graphs must be captured again. Here every
 parameter is a view into one ``ReleasableMemory``: offloading is one copy into a pinned host
 buffer, reloading one copy back to the same addresses, and the graphs stay valid (vLLM's
-``CuMemAllocator`` offloads its "weights" tag the same way).
+``CuMemAllocator`` offloads its "weights" tag the same way). ``sleep(2)`` releases the
+region without a copy, and it comes back zeroed for the next full update to fill.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class OffloadableWeights:
         self.device_views = self._views(self.region.tensor, parameters)
         self.host: torch.Tensor | None = None
         self.host_views: list[torch.Tensor] = []
+        self.discarded = False  # released without a copy (see discard)
         with torch.no_grad():
             for view, param in zip(self.device_views, parameters):
                 view.copy_(param)
@@ -52,13 +54,13 @@ class OffloadableWeights:
 
     @property
     def offloaded(self) -> bool:
-        """True while the weights live in the host buffer."""
+        """True while the weights are off the device: in the host buffer, or discarded."""
         return self.region.released
 
     def holds(self, model: nn.Module) -> bool:
         """True while every parameter of ``model`` is still its view here (on the device or,
         offloaded, on the host): an alias update that adopted a trainer's tensor ends that."""
-        views = self.host_views if self.offloaded else self.device_views
+        views = self.host_views if self.offloaded and not self.discarded else self.device_views
         parameters = list(model.parameters())
         return len(parameters) == len(views) and all(
             param.data_ptr() == view.data_ptr() for param, view in zip(parameters, views))
@@ -76,14 +78,25 @@ class OffloadableWeights:
         self.region.release()
         self._point(model, self.host_views)
 
+    def discard(self) -> None:
+        """Release the weights' device memory without a copy (``sleep(2)``): until
+        ``reload`` maps zeroed memory back, the parameters point at unmapped addresses and
+        nothing may read or write them. Weights already offloaded stay in the host buffer."""
+        if not self.offloaded:
+            self.region.release()
+            self.discarded = True
+
     def reload(self, model: nn.Module) -> None:
         """Take the device memory again and copy the weights back in one copy (a no-op
-        unless offloaded)."""
+        unless offloaded; after ``discard`` the memory comes back zeroed, for an update to
+        fill)."""
         if not self.offloaded:
             return
         self.region.restore()
-        self.region.tensor.copy_(self.host, non_blocking=True)
-        synchronize(self.region.device)
+        if not self.discarded:
+            self.region.tensor.copy_(self.host, non_blocking=True)
+            synchronize(self.region.device)
+        self.discarded = False
         self._point(model, self.device_views)
 
     def _views(self, buffer: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
