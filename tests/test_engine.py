@@ -200,7 +200,7 @@ def test_stats_keep_the_names_metrics_and_trainers_read(llm):
         "kv_blocks_used_peak", "kv_blocks_cached_free", "num_running", "num_waiting",
         "weight_version", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens",
         "cow_copies", "preemptions", "prefill_tokens", "decode_steps", "decoded_seqs",
-        "held_sequences"}
+        "held_sequences", "is_sleeping"}
 
 
 def test_waiting_request_ids_name_the_requests_not_yet_admitted(llama_dir):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load_file
 
 from .test_server import API_KEY, MODEL, running_server, wait_until_idle
 
@@ -80,6 +81,9 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(llama_dir, tmp_p
         print(f"{sum(statuses.values())} requests, by status: {dict(sorted(statuses.items()))}")
         assert not [status for status in statuses if status >= 500]
         wait_until_idle(engine)
+        engine.wake_up()  # the fuzz may have left it asleep, or its weights discarded (level 2)
+        if engine.weights_stale:  # as a trainer would, push every weight
+            engine.update_weights(load_file(llama_dir / "model.safetensors").items())
         response = httpx.post(f"{url}/v1/completions", json={
             "model": MODEL, "prompt": "Hello", "max_tokens": 3},
             headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
