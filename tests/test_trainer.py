@@ -21,6 +21,8 @@ from tandem.trainers.rewards import RewardError
 from tandem.trainers.tasks import target_token_task
 from tandem.trainers.trainer import Trainer
 
+from .test_weight_update import with_weight_region
+
 ENGINE = {"num_kv_blocks": 96, "max_model_len": 128}
 
 
@@ -187,17 +189,39 @@ def test_wandb_offline_run_gets_the_step_metrics(llama_dir, tmp_path, target_tok
     assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
 
 
-def test_sleep_between_steps_frees_the_kv_pool_while_the_trainer_steps(llama_dir, tmp_path,
-                                                                       target_token):
-    config = make_config(llama_dir, tmp_path, target_token, steps=2)
-    config.rollout.sleep_between_steps = True
-    trainer = Trainer(config)
-    first = trainer.train_step()
-    assert trainer.llm.stats()["kv_cache_bytes"] == 0
-    second = trainer.train_step()
-    assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
-    assert all(m["rollout_seconds"] > 0 and m["train_seconds"] > 0 for m in (first, second))
-    assert trainer.llm.weight_version == 2
+def test_sleep_between_steps_at_each_level_trains_as_awake(llama_dir, tmp_path, target_token):
+    """The KV pool alone (level 0), the weights to CPU too (1) or discarded (2): the same
+    steps as an engine that never sleeps. The weights sit in one region, as a CUDA engine's
+    do, so level 1 copies them out and back and level 2 really zeroes them (on CPU too): the
+    update after the step must bring every one back."""
+    histories = {}
+    for level in (None, 0, 1, 2):
+        config = make_config(llama_dir, tmp_path / str(level), target_token, steps=2)
+        config.rollout.sleep_between_steps = level is not None
+        config.rollout.sleep_level = level or 0
+        trainer = Trainer(config)
+        with_weight_region(trainer.llm)
+        first = trainer.train_step()
+        assert trainer.llm.is_sleeping == (level is not None)
+        second = trainer.train_step()
+        histories[level] = [(m["loss"], m["reward"]) for m in (first, second)]
+        if level is not None:
+            assert first["sleep_seconds"] > 0 and second["wake_seconds"] > 0
+            assert trainer.llm.stats()["kv_cache_bytes"] == 0
+        assert trainer.llm.weight_version == 2
+        assert max(m["sampler_logprob_diff_max"] for m in (first, second)) == 0.0
+    assert histories[0] == histories[1] == histories[2] == histories[None]
+
+
+def test_sleep_level_is_checked_against_its_switch_and_lora(llama_dir, tmp_path, target_token):
+    config = make_config(llama_dir, tmp_path, target_token)
+    with pytest.raises(ValueError, match="sleep_between_steps: true"):
+        replace(config, rollout=replace(config.rollout, sleep_level=1))
+    with pytest.raises(ValueError, match="use 0"):
+        replace(config, rollout=replace(config.rollout, sleep_between_steps=True, sleep_level=3))
+    with pytest.raises(ValueError, match="LoRA"):
+        replace(config, rollout=replace(config.rollout, sleep_between_steps=True,
+                                        sleep_level=2), lora=replace(config.lora, enabled=True))
 
 
 def test_grpo_trains_on_multi_turn_episodes_masking_environment_tokens(llama_dir, tmp_path,

@@ -103,6 +103,10 @@ class RolloutConfig:
             pool's ``kv_cache_dtype``: ``fp8`` holds twice bfloat16's tokens and stays exact,
             the trainer's K and V rounded through it...).
         sleep_between_steps: free the engine's KV pool while the trainer steps.
+        sleep_level: what else sleeps then, as vLLM's levels: 0 the KV pool alone
+            (``release_kv_cache_memory``), 1 also the weights, moved to CPU, 2 the weights
+            discarded (full fine-tuning: the weight update after the step brings them back,
+            with no copy to the host and back).
         max_turns: for a task with an environment, most model turns per episode
             (``max_tokens`` is then per turn).
         max_total_tokens: for a task with an environment, most tokens per episode (default
@@ -129,6 +133,7 @@ class RolloutConfig:
     top_k: int = 0
     engine: dict[str, Any] = field(default_factory=dict)
     sleep_between_steps: bool = False
+    sleep_level: int = 0
     max_turns: int = 4
     max_total_tokens: int | None = None
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
@@ -303,6 +308,7 @@ class TrainConfig:
                              "turn sync_alias off.")
         _one_of("rollout.dynamic_sampling.zero_spread", self.rollout.dynamic_sampling.zero_spread,
                 ("drop", "keep"))
+        self._check_sleep_level()
         for name in ("steps", "rollout.prompts_per_step", "rollout.num_generations",
                      "rollout.max_tokens", "optim.micro_batch_size",
                      "rollout.dynamic_sampling.max_extra_prompts"):
@@ -329,6 +335,19 @@ class TrainConfig:
                              "change those, or set exact_logprobs: false.")
         if not self.optim.lr > 0:
             raise ValueError(f"optim.lr={self.optim.lr!r} is invalid: it must be > 0.")
+
+    def _check_sleep_level(self) -> None:
+        level = self.rollout.sleep_level
+        if isinstance(level, bool) or level not in (0, 1, 2):
+            raise ValueError(f"rollout.sleep_level={level!r} is invalid: use 0 (the KV pool "
+                             "alone), 1 (the weights to CPU too) or 2 (the weights discarded).")
+        if level and not self.rollout.sleep_between_steps:
+            raise ValueError(f"rollout.sleep_level={level} needs rollout.sleep_between_steps: "
+                             "true (the engine sleeps only then).")
+        if level == 2 and self.lora.enabled:
+            raise ValueError("rollout.sleep_level=2 discards the engine's weights, and a LoRA "
+                             "update brings back only the adapted ones: use sleep_level 0 or "
+                             "1 with lora.")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

@@ -206,11 +206,13 @@ def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
     return result, time.perf_counter() - start
 
 
-def timed_sleep(llm: LLM, preempt: bool = False) -> float:
-    """Free the engine's KV pool, its weights kept (``release_kv_cache_memory``;
-    ``preempt``: unfinished requests kept, to recompute on wake-up); returns the seconds it
-    took."""
-    return timed(llm.release_kv_cache_memory, preempt)[1]
+def timed_sleep(llm: LLM, level: int = 0, preempt: bool = False) -> float:
+    """Free the engine's KV pool, its weights kept (level 0: ``release_kv_cache_memory``),
+    moved to CPU (1) or discarded (2), as ``LLM.sleep``'s levels (``preempt``: unfinished
+    requests kept, to recompute on wake-up); returns the seconds it took."""
+    if level == 0:
+        return timed(llm.release_kv_cache_memory, preempt)[1]
+    return timed(llm.sleep, level, preempt)[1]
 
 
 def timed_wake(llm: LLM) -> float | None:

@@ -230,8 +230,9 @@ class Trainer:
         stats_before = self.llm.stats()
         batch = self._rollouts(self._examples(self.step), self._rollout_seed(self.step))
         engine_metrics = engine_round_metrics(stats_before, self.llm.stats())
-        sleep_seconds = timed_sleep(self.llm, preempt=self.partial is not None) \
-            if self.config.rollout.sleep_between_steps else 0.0
+        rollout = self.config.rollout
+        sleep_seconds = timed_sleep(self.llm, rollout.sleep_level, self.partial is not None) \
+            if rollout.sleep_between_steps else 0.0
         metrics, train_seconds = timed(self._optimize, batch, batch.rewards)
         metrics.update(sync_seconds=self.sync_weights(), train_seconds=train_seconds)
         if self.partial is not None and self.config.rollout.partial.carried_kv == "recompute":
@@ -361,15 +362,24 @@ class Trainer:
     # --- the engine ----------------------------------------------------------------------
 
     def sync_weights(self) -> float:
-        """Push the policy's weights (or its adapter) into the engine; returns the seconds."""
-        model = self.policy.model
+        """Push the policy's weights (or its adapter) into the engine; returns the seconds
+        (with the memory of weights ``sleep_level`` 2 discarded mapped back first)."""
+        def push() -> None:
+            if self.config.rollout.sleep_level == 2 and self.llm.is_sleeping:
+                self.llm.wake_up(["weights"])  # their memory, discarded, is mapped back
+            self._push(self.policy.model)
+
+        return timed(push)[1]
+
+    def _push(self, model: torch.nn.Module) -> None:
+        """The whole policy (by copy or alias), or through ``LoraSync`` its adapter."""
         if self.lora_sync is not None:
             from tandem.sync import peft_adapter_state
 
-            return timed(lambda: self.lora_sync.update(*peft_adapter_state(model)))[1]
+            self.lora_sync.update(*peft_adapter_state(model))
+            return
         # A list (nothing changes it before the commit): staged by reference where dtypes match.
-        return timed(lambda: self.llm.update_weights(list(full_named_parameters(model)),
-                                                     alias=self.config.sync_alias))[1]
+        self.llm.update_weights(list(full_named_parameters(model)), alias=self.config.sync_alias)
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions of the held-out prompts: each reward's mean, and ``accuracy``
