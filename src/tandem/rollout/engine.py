@@ -81,7 +81,7 @@ class LLMEngine:
         self.weight_version = 0
         self.kv_blocks_used_peak = 0
         self.sleep_level = 0  # the deepest level since the last full wake_up (see sleep_mode)
-        self.released: set[str] = set()  # what sleeps: "weights", "kv_cache" (vLLM's tags)
+        self.kv_cache_released = False
         self.weights = "resident"  # or, asleep, "offloaded" or "discarded"
         self.weights_stale = False  # discarded, and no full update since
         self.sleep_wake_seconds = SleepWakeSeconds()
@@ -161,7 +161,7 @@ class LLMEngine:
             ValueError, EngineAsleepError: as ``add_request``, for any of them, and for
                 lists of different lengths.
         """
-        if self.released:
+        if self.is_sleeping:
             released = " and ".join(sorted(self.released))
             raise EngineAsleepError(f"the engine is asleep (its {released} released): call "
                                     "wake_up() before generating.")
@@ -222,7 +222,7 @@ class LLMEngine:
         Raises:
             EngineAsleepError: while the engine sleeps with requests it kept.
         """
-        if self.released and self.requests:
+        if self.is_sleeping and self.requests:
             raise EngineAsleepError("the engine is asleep: call wake_up() before stepping.")
         with self.lock:
             return self._step()
@@ -435,7 +435,13 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         """True between a ``sleep`` (or ``release_kv_cache_memory``) and the ``wake_up``
         that restores everything."""
-        return bool(self.released)
+        return self.kv_cache_released or self.weights != "resident"
+
+    @property
+    def released(self) -> set[str]:
+        """What sleeps, by vLLM's ``wake_up`` tags: ``"weights"``, ``"kv_cache"``."""
+        return {tag for tag, out in (("weights", self.weights != "resident"),
+                                     ("kv_cache", self.kv_cache_released)) if out}
 
     def sleep(self, level: int = 1, preempt: bool = False) -> None:
         """vLLM's sleep levels: 1 moves the weights to CPU and frees the KV pool; 2 discards
@@ -475,7 +481,7 @@ class LLMEngine:
 
     def _recapture_graphs(self) -> None:
         self.runner.drop_graphs()  # asleep, wake_up captures them once the pool is back
-        if not self.released:
+        if not self.is_sleeping:
             self.runner.capture_graphs()
 
     def reset_prefix_cache(self) -> None:

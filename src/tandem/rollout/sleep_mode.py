@@ -66,7 +66,7 @@ def sleep(engine: LLMEngine, level: int, preempt: bool) -> None:
             engine.scheduler.preempt_all()
             engine.scheduler.release_held_kv()
             engine.runner.free_kv_cache()
-            engine.released.add("kv_cache")
+            engine.kv_cache_released = True
         with engine.sleep_wake_seconds.timing("sleep_weights"):
             _release_weights(engine, WEIGHTS_AT_LEVEL[level])
         engine.sleep_level = max(engine.sleep_level, level)
@@ -82,7 +82,6 @@ def _release_weights(engine: LLMEngine, where: str) -> None:
         engine.runner.discard_weights()
         engine.weights_stale = True
     engine.weights = where
-    engine.released.add("weights")
 
 
 def wake_up(engine: LLMEngine, tags: Collection[str] | None) -> None:
@@ -93,17 +92,16 @@ def wake_up(engine: LLMEngine, tags: Collection[str] | None) -> None:
                          f"{', '.join(WAKE_TAGS)}.")
     with engine.lock, engine.sleep_wake_seconds.timing("wake"):  # stats() wake_*_seconds
         with engine.sleep_wake_seconds.timing("wake_weights"):
-            if "weights" in tags and "weights" in engine.released:
+            if "weights" in tags and engine.weights != "resident":
                 engine.runner.reload_weights()
                 engine.weights = "resident"
-                engine.released.discard("weights")
         with engine.sleep_wake_seconds.timing("wake_kv_cache"):
-            if "kv_cache" in tags and "kv_cache" in engine.released:
+            if "kv_cache" in tags and engine.kv_cache_released:
                 engine.runner.allocate_kv_cache(engine.num_kv_blocks)
                 engine.new_pool()
-                engine.released.discard("kv_cache")
+                engine.kv_cache_released = False
         with engine.sleep_wake_seconds.timing("wake_capture"):
-            if engine.sleep_level and not engine.released:
+            if not engine.is_sleeping:
                 engine.sleep_level = 0
-            if not engine.released and not engine.runner.graphs_current():
-                engine.runner.capture_graphs()
+                if not engine.runner.graphs_current():
+                    engine.runner.capture_graphs()
