@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -158,6 +159,44 @@ def test_engine_step_loop_abort_frees_blocks(llama_dir):
                                   "num_waiting", "weight_version", "preemptions")} == {
         "kv_blocks_total": 40, "kv_blocks_used": 0, "num_running": 0, "num_waiting": 0,
         "weight_version": 0, "preemptions": 0}
+
+
+def test_abort_and_add_wait_for_a_commit_that_holds_the_engine_lock(llm):
+    # A threaded weight commit drains and swaps under the engine's lock; an abort or an add
+    # arriving from the core's thread meanwhile must wait for it, not change the scheduler
+    # under it.
+    engine = llm.engine
+    engine.add_request("a", "What is 2+3?", greedy(50, ignore_eos=True))
+    engine.step()
+    committing, committed = threading.Event(), threading.Event()
+
+    def commit() -> None:
+        with engine.lock:
+            committing.set()
+            committed.wait(30)
+
+    aborted = []
+    calls = [threading.Thread(target=commit),
+             threading.Thread(target=lambda: aborted.append(engine.abort_request("a"))),
+             threading.Thread(target=engine.add_request,
+                              args=("b", "Seven", greedy(3, ignore_eos=True)))]
+    calls[0].start()
+    committing.wait(30)
+    try:
+        for call in calls[1:]:
+            call.start()
+            call.join(0.5)
+        assert all(call.is_alive() for call in calls[1:])
+        assert set(engine.requests) == {"a"}
+    finally:
+        committed.set()
+        for call in calls:
+            call.join(30)
+    assert [c.finish_reason for c in aborted[0].outputs] == ["abort"]
+    assert set(engine.requests) == {"b"}
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_still_serving(llm)
 
 
 def test_colliding_block_hashes_never_serve_another_prompts_kv(llama_dir, monkeypatch):

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from tandem.kernels import check_sharded, select_kernels
 from tandem.rollout import LLM, Continuation, SamplingParams
+from tandem.rollout.parallel import wire
 from tandem.rollout.parallel.executor import TensorParallelError
 from tandem.rollout.parallel.tensor_parallel import check_tensor_parallel, rank_device
 from tandem.sync import LoraSync, WeightUpdateError, peft_adapter_state
@@ -351,3 +352,42 @@ def test_a_held_completion_continues_under_tp_as_at_tp1(model_dir):
                             use_tqdm=False)[0]
         results[size] = (first.outputs[0].token_ids, turn.outputs[0].token_ids)
     assert results[2] == results[1]
+
+
+def test_overlapped_steps_under_tp_equal_tp1(model_dir):
+    results = {}
+    for size in (1, 2):
+        llm = LLM(str(model_dir("llama")), tensor_parallel_size=size, async_scheduling=True,
+                  **OPTIONS)
+        greedy_params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        seeded = SamplingParams(n=4, max_tokens=12, seed=3, stop_token_ids=[40, 41])
+        results[size] = [[c.token_ids for c in o.outputs] for o in llm.generate(
+            PROMPTS, greedy_params, use_tqdm=False) + llm.generate(PROMPTS, seeded,
+                                                                   use_tqdm=False)]
+    assert results[2] == results[1]
+
+
+def test_an_overlapped_step_is_sent_as_the_host_knows_it(model_dir, monkeypatch):
+    # The pending token (sampled by the step before, still on the device) must not reach
+    # the message: the driver would read it back from the device, waiting for that step.
+    # Its row holds the token before it; the row travels as an index, the token device to
+    # device over the device group.
+    sent = []
+    send = wire.send
+
+    def recording(group, op, payload):
+        if op == "step":
+            sent.append((payload["positions"].tolist(), payload["input_ids"].tolist(),
+                         payload.get("pending_rows")))
+        send(group, op, payload)
+
+    monkeypatch.setattr(wire, "send", recording)
+    llm = LLM(str(model_dir("llama")), tensor_parallel_size=2, async_scheduling=True,
+              **OPTIONS)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    tokens = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].token_ids
+    stream = PROMPTS[0] + tokens
+    decodes = [(positions, ids, rows) for positions, ids, rows in sent if positions[0] > 0]
+    assert len(decodes) == len(tokens) - 1
+    for (position,), ids, rows in decodes:
+        assert ids == [stream[position - 1]] and rows == [0]

@@ -1,9 +1,9 @@
 """Per-token layer operations: the plain-torch references.
 
-RMSNorm (with the residual add fused in), rotary embedding applied in place, and the
-SiLU-gated product of the MLP. Each rounds to the model dtype where transformers does, so
-the CPU path matches transformers; the Triton versions (``triton_layers.py``) share these
-signatures.
+RMSNorm (with the residual add fused in), rotary embedding applied in place, the
+SiLU-gated product of the MLP, and a mixture of experts' count of tokens per expert.
+Each rounds to the model dtype where transformers does, so the CPU path matches
+transformers; the Triton versions (``triton_layers.py``) share these signatures.
 """
 
 from __future__ import annotations
@@ -51,3 +51,11 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the gated activation of a Llama MLP."""
     return F.silu(gate) * up
+
+
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``experts`` (a flat tensor of expert indices) name each expert,
+    ``[num_experts]`` int64: a scatter-add into a fixed size, where ``bincount`` would read
+    the largest index back to the host (a sync, and an error inside graph capture)."""
+    counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)
+    return counts.scatter_add_(0, experts, torch.ones_like(experts))

@@ -2,8 +2,9 @@
 projection for every expert at once.
 
 ``fused_moe`` lays the token-expert pairs out by expert on the device, each expert's pairs
-padded to whole ``BLOCK_M`` blocks (no host sync: the layout's size is a bound known from
-the token count, ``max_pairs``), then runs ``_grouped_kernel`` twice: gate/up over the
+padded to whole ``BLOCK_M`` blocks (no host sync, so a decode step is captured in a CUDA
+graph: the counts are a scatter-add into ``[num_experts]`` and the layout's size is a bound
+known from the token count, ``max_pairs``), then runs ``_grouped_kernel`` twice: gate/up over the
 tokens' hidden states, and down over the pairs' activations. Each program multiplies one
 block of one expert's rows by one tile of that expert's weight, summing over K in fixed
 ``BLOCK_K`` chunks in order (``triton_linear.tile_matmul``, with its fixed tiles), so a
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .layers import expert_counts
 from .triton_linear import TILES, tile_matmul
 
 
@@ -40,7 +42,7 @@ def group_by_expert(experts: torch.Tensor, num_experts: int, block_m: int
     device, size = experts.device, max_pairs(num_tokens, top_k, num_experts, block_m)
     flat = experts.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded

@@ -85,7 +85,8 @@ class LLMEngine:
         self.weights = "resident"  # or, asleep, "offloaded" or "discarded"
         self.weights_stale = False  # discarded, and no full update since
         self.sleep_wake_seconds = SleepWakeSeconds()
-        # Held by every step and by weight commits, so an update lands between steps.
+        # Held by every step and by weight commits, so an update lands between steps, and by
+        # every call that changes the requests or the pool, which a threaded commit may race.
         self.lock = threading.RLock()
         self._seq_ids = itertools.count()
         self.held = HeldSequences()  # outlives each pool: its blocks go, its tokens stay
@@ -161,6 +162,11 @@ class LLMEngine:
             ValueError, EngineAsleepError: as ``add_request``, for any of them, and for
                 lists of different lengths.
         """
+        with self.lock:  # a threaded commit may be draining the scheduler
+            self._add_requests(request_ids, prompts, params, hold_kv)
+
+    def _add_requests(self, request_ids: Seq[str], prompts: Seq[EnginePrompt],
+                      params: Seq[SamplingParams], hold_kv: bool) -> None:
         if self.is_sleeping:
             released = " and ".join(sorted(self.released))
             raise EngineAsleepError(f"the engine is asleep (its {released} released): call "
@@ -243,15 +249,16 @@ class LLMEngine:
         Returns its output so far (unfinished completions with finish_reason "abort"), or
         None for an unknown or finished id.
         """
-        request = self.requests.pop(request_id, None)
-        if request is None:
-            return None
-        for seq in request.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            elif seq.hold_kv and self.steps.unreported(seq):  # held unseen: none would release
-                self.scheduler.release_held(seq)
-        return self.output_processor.make_output(request, self.weight_version)
+        with self.lock:  # a threaded commit may be draining the scheduler
+            request = self.requests.pop(request_id, None)
+            if request is None:
+                return None
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, "abort")
+                elif seq.hold_kv and self.steps.unreported(seq):
+                    self.scheduler.release_held(seq)  # held unseen: none would release it
+            return self.output_processor.make_output(request, self.weight_version)
 
     def request_output(self, request_id: str) -> RequestOutput:
         """The output so far of an unfinished request (``finished`` False), for streaming.
@@ -274,6 +281,17 @@ class LLMEngine:
     def waiting_request_ids(self) -> set[str]:
         """The ids of the requests with a sequence in the scheduler's waiting queue."""
         return {seq.request_id for seq in self.scheduler.waiting}
+
+    def bind_thread(self) -> None:
+        """Make the engine's device the calling thread's current CUDA device, as vLLM's
+        worker does at start: every thread starts on device 0, so calls that name no
+        device (a stream, an event, a capture's side stream) would go there. The engine's
+        own threads call it (the core's loop, its threaded commands); an engine in a
+        trainer's thread names its device in each call instead, leaving the trainer's
+        current device alone. Nothing off CUDA."""
+        device = self.config.torch_device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
 
     def stats(self) -> dict[str, int | float]:
         """The engine's counters, each component's own (``ModelRunner.stats``,
@@ -486,7 +504,8 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block; later requests recompute their prompts."""
-        self.block_manager.reset_prefix_cache()
+        with self.lock:  # a commit registers the blocks computed under the old weights
+            self.block_manager.reset_prefix_cache()
 
     def _pop(self, request_id: str) -> RequestOutput:
         request = self.requests.pop(request_id)

@@ -229,7 +229,10 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     bitmask = xgrammar.allocate_token_bitmask(len(seqs), logits.shape[1])
     for row in rows:
         seqs[row].matcher.fill_next_token_bitmask(bitmask, row)
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+    if logits.is_cuda:  # pinned, so the copy queues without waiting (worker's to_device)
+        bitmask = bitmask.pin_memory()
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                         indices=rows)
 
 
 def grammar_bitmasks(grammar: Grammar, completions: list[list[int]], width: int) -> torch.Tensor:

@@ -5,7 +5,9 @@ The driver (rank 0, the engine's own process) schedules, runs its shard and samp
 starts ``size - 1`` workers (``python -m tandem.rollout.parallel.worker_process``, arguments
 as JSON), which join the engine's groups (``tensor_parallel``) through a TCP store on
 127.0.0.1 (independent of any default process group, so a trainer's torch.distributed is
-untouched). Each step the driver broadcasts the step's tensors (``wire.py``, over gloo); the
+untouched). Each step the driver broadcasts the step as its host knows it (``wire.py``, over
+gloo), then the pending tokens its decodes read from the last step's samples, device to
+device (over the device group: NCCL on CUDA), so its host never waits for the device; the
 workers run their shards (or replay their decode graphs, captured together with the
 driver's), the all-reduces meet, and the LM head's vocabulary slices are gathered on the
 driver. A worker that dies or stops answering is reported within ``timeout`` as a
@@ -223,9 +225,14 @@ class DriverRunner(ShardedRunner):
             raise self.workers.failure(exc) from exc
 
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Broadcast the step, then run this rank's shard of it."""
-        self.workers.send("step", {name: getattr(step, name) for name in StepInputs.__slots__})
+        """Broadcast the step as the host knows it (host tensors: nothing read back from the
+        device), then its pending tokens over the device group, then run this rank's shard
+        of it."""
+        self.workers.send("step", {name: getattr(step, name) for name in StepInputs.__slots__
+                                   if name != "pending_ids"})
         try:
+            if step.pending_rows:
+                self.tp.broadcast(step.pending_ids)
             return super().run_step(step)
         except RuntimeError as exc:
             raise self.workers.failure(exc) from exc

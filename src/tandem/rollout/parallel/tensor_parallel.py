@@ -66,6 +66,15 @@ class TensorParallel:
             self.device_group.allreduce([tensor]).wait()
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The driver's ``tensor`` on every rank, over the device group (device to device on
+        CUDA: no rank's host waits for it), into ``tensor`` (of its shape and dtype)."""
+        if self.size > 1:
+            options = dist.BroadcastOptions()
+            options.rootRank = 0
+            self.device_group.broadcast([tensor], options).wait()
+        return tensor
+
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """The full ``[rows, vocab_size]`` logits on the driver from each rank's vocabulary
         slice ``[rows, ceil(vocab_size / size)]`` (padded); None on the other ranks, but

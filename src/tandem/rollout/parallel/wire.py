@@ -3,9 +3,12 @@
 A message is an operation name and a payload of JSON values, tensors and the dataclasses of
 a step's attention metadata. ``send`` (the driver) broadcasts a JSON header describing it
 (tensors and dataclasses replaced by typed placeholders), then each tensor; ``receive`` (a
-worker) rebuilds the payload from them. Only the dataclasses in ``DATACLASSES`` travel, so a
-message can name no other code. A worker waits for a message without a time limit
-(``IDLE_TIMEOUT``); once one has begun, every part of it is bounded by the group's timeout.
+worker) rebuilds the payload from them, its tensors in host memory. The worker's runner puts
+each where it is used: a step's through pinned memory (``StepInputs.on_device``), since a
+plain copy to a CUDA device would wait for the step queued there before. Only the
+dataclasses in ``DATACLASSES`` travel, so a message can name no other code. A worker waits
+for a message without a time limit (``IDLE_TIMEOUT``); once one has begun, every part of it
+is bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -40,14 +43,14 @@ def send(group: Any, op: str, payload: dict[str, Any]) -> None:
         _broadcast(group, tensor.contiguous().cpu())
 
 
-def receive(group: Any, device: torch.device) -> tuple[str, dict[str, Any]]:
-    """The next message broadcast by rank 0 of ``group``, its tensors on ``device``."""
+def receive(group: Any) -> tuple[str, dict[str, Any]]:
+    """The next message broadcast by rank 0 of ``group``, its tensors in host memory."""
     length = torch.empty(1, dtype=torch.int64)
     _broadcast(group, length, IDLE_TIMEOUT)
     raw = torch.empty(int(length.item()), dtype=torch.uint8)
     _broadcast(group, raw)
     message = json.loads(raw.numpy().tobytes())
-    return message["op"], _decode(message["payload"], group, device)
+    return message["op"], _decode(message["payload"], group)
 
 
 def _broadcast(group: Any, tensor: torch.Tensor, timeout: timedelta | None = None) -> None:
@@ -76,18 +79,18 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise TypeError(f"a tensor-parallel message cannot carry {type(value).__name__}")
 
 
-def _decode(value: Any, group: Any, device: torch.device) -> Any:
+def _decode(value: Any, group: Any) -> Any:
     """The value ``_encode`` described, its tensors received in order."""
     if isinstance(value, list):
-        return [_decode(item, group, device) for item in value]
+        return [_decode(item, group) for item in value]
     if not isinstance(value, dict):
         return value
     if "tensor" in value:
         dtype, shape = value["tensor"]
         tensor = torch.empty(shape, dtype=DTYPES[dtype])
         _broadcast(group, tensor)
-        return tensor.to(device)
+        return tensor
     if "dataclass" in value:
-        fields = {name: _decode(item, group, device) for name, item in value["fields"].items()}
+        fields = {name: _decode(item, group) for name, item in value["fields"].items()}
         return DATACLASSES[value["dataclass"]](**fields)
-    return {key: _decode(item, group, device) for key, item in value["dict"].items()}
+    return {key: _decode(item, group) for key, item in value["dict"].items()}

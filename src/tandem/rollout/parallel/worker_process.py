@@ -51,15 +51,24 @@ def serve(args: dict[str, Any]) -> None:
         register_model(architecture, model)
     runner = ModelRunner(config, AutoConfig.from_pretrained(config.model_dir), tp)
     while True:
-        op, payload = wire.receive(group, device)
+        op, payload = wire.receive(group)
         if op == "shutdown":
             return
         if op == "step":
-            runner.run_step(StepInputs(**payload))
+            runner.run_step(with_pending_ids(StepInputs(**payload), tp, device))
         elif op in RUNNER_OPS:
             getattr(runner, op)(**payload)
         else:
             raise ValueError(f"unknown tensor-parallel operation {op!r}")
+
+
+def with_pending_ids(step: StepInputs, tp: TensorParallel, device: torch.device) -> StepInputs:
+    """``step`` with the tokens of its pending rows, which the driver broadcasts over the
+    device group right after the step (``DriverRunner.run_step``)."""
+    if step.pending_rows:
+        step.pending_ids = tp.broadcast(
+            torch.empty(len(step.pending_rows), dtype=torch.long, device=device))
+    return step
 
 
 if __name__ == "__main__":

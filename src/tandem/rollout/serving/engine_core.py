@@ -76,6 +76,7 @@ class EngineCore:
 
     def run(self) -> None:
         """Step and take commands until ``shutdown``."""
+        self.engine.bind_thread()
         while self.running:
             self._take_commands(block=not self._has_work())
             if self.running and self._has_work():
@@ -97,6 +98,7 @@ class EngineCore:
     def _answer(self, command: CoreCall) -> None:
         value, error = None, None
         try:
+            self.engine.bind_thread()  # a threaded command runs on a thread of its own
             value = getattr(self, command.method)(*command.args)
         except Exception as exc:  # the caller's error, answered; the core goes on
             error = exc

@@ -24,9 +24,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``, without waiting for the device: to CUDA through pinned
     memory and a non-blocking copy (a plain ``.to`` waits for every kernel queued before
     it, which would end the overlap of host and device work; see ``engine.py``)."""
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def padded_tensor(rows: list[list[int]], device: torch.device) -> torch.Tensor:

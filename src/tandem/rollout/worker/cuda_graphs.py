@@ -90,7 +90,8 @@ class DecodeGraphs:
         """Capture ``forward`` for every batch size, largest first, in one memory pool.
 
         Each size runs once uncaptured first, so kernels compile outside the capture. The
-        buffers hold padding meanwhile: nothing touches the KV pool.
+        buffers hold padding meanwhile: nothing touches the KV pool. Other threads may use
+        the device during the capture.
         """
         pool = None
         self.buffers.pad()
@@ -99,7 +100,11 @@ class DecodeGraphs:
             forward(*args)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            # A threaded weight receive allocates and runs NCCL work outside the engine's
+            # lock, which a capture holds: in the default "global" mode an unsafe call of
+            # another thread (cudaMalloc, a synchronize) would invalidate the capture;
+            # "thread_local" refuses only this thread's.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 hidden = forward(*args)
             pool = graph.pool()
             self.graphs[size] = (graph, hidden)

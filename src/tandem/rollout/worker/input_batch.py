@@ -8,11 +8,18 @@ row is written whole (any of its blocks may have changed: a cache hit, a resumed
 continuation, a recompute after preemption). The step's ``block_tables`` are the rows of its
 sequences, its ``slot_mapping`` gathered from them for every position, both in tensor ops;
 Python touches each sequence a few times per step, never each of its blocks.
+
+A step's inputs are built in host memory (pinned for a CUDA device) and go to the device
+when a rank runs them (``StepInputs.on_device``), so a tensor-parallel driver sends what the
+host knows without reading anything back from the device (which would wait for the step
+before).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
 import torch
 
@@ -21,6 +28,8 @@ from tandem.kernels import AttentionMetadata
 from ..core.scheduled_batch import ScheduledBatch
 from ..core.sequence import Sequence
 from .attention_layout import cascade_layout, long_tensor, to_device
+
+HOST = torch.device("cpu")
 
 ScoredPositions = list[tuple[int, int, int]]  # (batch row, first, end) prompt positions
 Updates = tuple[list[int], list[int], list[int]]  # rows, columns, values of table entries
@@ -31,13 +40,42 @@ class StepInputs:
     """One step's tensors, all a rank needs to run it: the flat token stream, its attention
     metadata, the rows whose logits are needed (the sampling rows, then the prompt
     positions scored for prompt log-probs) and the copy-on-write block copies
-    (``[2, copies]``: sources, destinations)."""
+    (``[2, copies]``: sources, destinations).
+
+    Built in host memory, as the host knows them: a decode whose token is pending (sampled
+    by the last step, not yet read) holds the token before it in ``input_ids``, its row is
+    in ``pending_rows``, and ``pending_ids`` holds those tokens (int64) on the device: taken
+    from the runner's own samples, or on a tensor-parallel worker broadcast by the driver
+    over the device group (None until then). ``on_device`` writes them in there.
+    """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     metadata: AttentionMetadata
     logit_rows: torch.Tensor
     copies: torch.Tensor
+    pending_rows: list[int] = field(default_factory=list)
+    pending_ids: torch.Tensor | None = None
+
+    def on_device(self, device: torch.device) -> StepInputs:
+        """This step on ``device`` (host tensors copied without waiting for the device), its
+        pending decodes' inputs filled in from ``pending_ids`` there; ``self`` unchanged."""
+        step = _map_tensors(self, lambda tensor: to_device(tensor, device)
+                            if tensor.device.type == "cpu" else tensor)
+        if self.pending_rows:
+            rows = long_tensor(self.pending_rows, device)
+            step.input_ids = step.input_ids.index_put((rows,), self.pending_ids)
+        return step
+
+
+def _map_tensors(value: Any, convert: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``convert`` applied to each tensor in it, through dataclasses."""
+    if isinstance(value, torch.Tensor):
+        return convert(value)
+    if is_dataclass(value):
+        return type(value)(**{f.name: _map_tensors(getattr(value, f.name), convert)
+                              for f in fields(value)})
+    return value
 
 
 class InputBatch:
@@ -45,7 +83,8 @@ class InputBatch:
 
     Args:
         block_size: tokens per KV block.
-        device: where the step's tensors go (the rows stay in host memory).
+        device: where the steps run: on CUDA their host tensors are pinned, so that the
+            copies there wait for nothing queued before them (see ``to_device``).
         cascade: lay the decodes out for cascade attention (the torch kernels).
     """
 
@@ -60,8 +99,9 @@ class InputBatch:
         self.last_blocks: list[int] = []  # per row: its table's last block (-1: none)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, int, ScoredPositions]:
-        """The step's inputs, how many of its logit rows sample, and the prompt positions
-        it scores (see ``scored_positions``)."""
+        """The step's inputs in host memory (no pending rows marked: the runner knows where
+        their tokens are), how many of its logit rows sample, and the prompt positions it
+        scores (see ``scored_positions``)."""
         seqs, num_new = batch.seqs, batch.num_new_tokens
         num_decodes = batch.num_decodes
         starts = [seq.num_computed_tokens for seq in seqs]
@@ -85,22 +125,21 @@ class InputBatch:
             positions = torch.arange(end) - offsets
             token_rows = torch.repeat_interleave(rows, num_new_t)
         metadata = AttentionMetadata(
-            slot_mapping=self._to_device(self.slot_mapping(token_rows, positions)),
-            block_tables=self._to_device(block_tables),
-            context_lens=self._to_device(starts_t + num_new_t),
-            cu_seqlens_q=self._to_device(cu_seqlens_q),
+            slot_mapping=self.slot_mapping(token_rows, positions), block_tables=block_tables,
+            context_lens=starts_t + num_new_t, cu_seqlens_q=cu_seqlens_q,
             num_decodes=num_decodes, max_query_len=max(num_new))
         if self.cascade and num_decodes:
-            metadata.cascade = cascade_layout(batch, self.block_size, self.device)
+            metadata.cascade = cascade_layout(batch, self.block_size, HOST)
         scored = scored_positions(batch)
         chunk_starts = cu_seqlens_q.tolist() if scored else []
         prompt_rows = [chunk_starts[i] - starts[i] + position
                        for i, first, last in scored for position in range(first, last)]
-        copies = long_tensor([list(c) for c in zip(*batch.copies)], self.device).view(2, -1)
-        return (StepInputs(long_tensor(input_ids, self.device), self._to_device(positions),
-                           metadata, long_tensor(sample_rows + prompt_rows, self.device),
-                           copies),
-                len(sample_rows), scored)
+        copies = long_tensor([list(c) for c in zip(*batch.copies)], HOST).view(2, -1)
+        step = StepInputs(long_tensor(input_ids, HOST), positions, metadata,
+                          long_tensor(sample_rows + prompt_rows, HOST), copies)
+        if self.device.type == "cuda":
+            step = _map_tensors(step, torch.Tensor.pin_memory)
+        return step, len(sample_rows), scored
 
     def block_tables(self, seqs: list[Sequence], num_decodes: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,9 +213,6 @@ class InputBatch:
             self.tables = torch.cat([self.tables, torch.zeros(
                 self.tables.shape[0], width - self.tables.shape[1], dtype=torch.long)], dim=1)
         self.tables[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(values)
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return to_device(tensor, self.device)
 
 
 def scored_positions(batch: ScheduledBatch) -> ScoredPositions:

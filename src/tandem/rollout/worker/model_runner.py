@@ -31,7 +31,7 @@ from ..outputs import RoutingFormat
 from ..parallel.tensor_parallel import TensorParallel, full_from_slices, local_slice, lora_slice
 from .attention_layout import long_tensor
 from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
-from .device_sample import HostCopy
+from .device_sample import HostCopy, RoutedExperts
 from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
 from .models import CausalLM, KVShape, build_model
@@ -47,8 +47,10 @@ class ModelRunner:
     """Holds the model, its KV pool and its decode graphs, and executes scheduled steps.
 
     Graphs are captured only on CUDA, with an attention backend that can be captured
-    (``captures_graphs``: Triton's; the torch reference synchronises with the device) and
-    without ``enforce_eager``; ``graph_sizes`` is empty otherwise. On CPU the linear layers
+    (``captures_graphs``: Triton's; the torch reference synchronises with the device),
+    experts that run without reading their counts on the host (``FusedMoE.capturable``: the
+    fused Triton path, not the exact per-expert loop) and without ``enforce_eager``;
+    ``graph_sizes`` is empty otherwise. On CPU the linear layers
     multiply in the layout timed fastest on this machine when the model loads
     (``kernels/cpu_linear.py``; ``model.linear_layout`` names it), or with exact log-probs
     in the batch-invariant panels. An FP8 pool (``kv_cache_dtype``) comes with its scales,
@@ -94,15 +96,15 @@ class ModelRunner:
         self.kv_region: ReleasableMemory | None = None
         self.kv_scales = self._bind_kv_scales()
         self.max_blocks_per_seq = num_blocks_for(config.max_model_len, config.block_size)
+        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         captures = device.type == "cuda" and self.ops.attention.captures_graphs \
-            and not config.enforce_eager
+            and not config.enforce_eager and all(m.capturable for m in self.moe_layers)
         self.graph_sizes = graph_batch_sizes(config.max_num_seqs) if captures else []
         self.graphs: DecodeGraphs | None = None
         self.graph_addresses: tuple[int, ...] | None = None  # what the graphs were captured over
         self.graph_captures = 0
         self.graph_capture_seconds = 0.0
         self.graph_bytes = 0
-        self.moe_layers = [m for m in self.model.modules() if isinstance(m, FusedMoE)]
         self.record_routing = False  # this step records its experts: no graph replay
         # The last launch's sampling sequences (one per row) and sampled tokens (on the device).
         self._last_sampled: tuple[list[Sequence], torch.Tensor] = ([], torch.empty(0))
@@ -323,18 +325,17 @@ class ModelRunner:
         dtype = torch.uint8 if spec.num_experts <= 256 else torch.int16
         return len(self.moe_layers), spec.top_k, dtype
 
-    def _routed_experts(self, batch: ScheduledBatch) -> dict[int, tuple[int, bytes]]:
-        """Per batch row that records its routing, its chunk's first position and the
-        experts of the chunk's tokens ``[tokens, layers, top_k]``, encoded (``routing``)."""
+    def _routed_experts(self, batch: ScheduledBatch) -> RoutedExperts:
+        """The step's experts, encoded (``routing``), left on the device, with each batch
+        row that records its routing: its chunk's first position, first token and count."""
         _, _, dtype = self.routing
-        experts = torch.stack([layer.routed for layer in self.moe_layers], dim=1)
-        host = experts.to(dtype).cpu()
-        out, first = {}, 0
+        experts = torch.stack([layer.routed for layer in self.moe_layers], dim=1).to(dtype)
+        chunks, first = {}, 0
         for row, (seq, count) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
             if seq.records_routing:
-                out[row] = (seq.num_computed_tokens, host[first:first + count].numpy().tobytes())
+                chunks[row] = (seq.num_computed_tokens, first, count)
             first += count
-        return out
+        return RoutedExperts(experts, chunks)
 
     @property
     def kv_shape(self) -> KVShape:
@@ -361,7 +362,8 @@ class ModelRunner:
         start = time.perf_counter()
         graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device,
                               self.ops.attention)
-        with torch.inference_mode():
+        # The capture's side stream is the current device's, whatever thread captures.
+        with torch.inference_mode(), torch.cuda.device(self.device):
             graphs.capture(self.model)
         self.graph_capture_seconds = time.perf_counter() - start
         self.graph_captures += 1
@@ -451,7 +453,7 @@ class ModelRunner:
         """
         step, num_sampling, scored = self._prepare(batch)
         if after_unread:
-            self._read_pending_tokens(batch, step.input_ids)
+            self._read_pending_tokens(batch, step)
         self.record_routing = bool(self.moe_layers) and any(seq.records_routing
                                                             for seq in batch.seqs)
         logits = self.run_step(step).float()
@@ -466,21 +468,24 @@ class ModelRunner:
         self._last_sampled = seqs, sample.token_ids
         return sample.to_host(self._prompt_logprobs(batch, prompt, scored), routed)
 
-    def _read_pending_tokens(self, batch: ScheduledBatch, input_ids: torch.Tensor) -> None:
-        """Fill the input of each decode whose token is pending from the last launch's
-        samples (device to device: the host never waits for them)."""
+    def _read_pending_tokens(self, batch: ScheduledBatch, step: StepInputs) -> None:
+        """Mark each decode of ``step`` whose token is pending and take those tokens from
+        the last launch's samples on the device, where ``run_step`` writes them in (the
+        host never waits for them)."""
         pending = [(row, seq.seq_id) for row, seq in enumerate(batch.seqs[:batch.num_decodes])
                    if seq.num_pending_tokens]
         if pending:
             seqs, token_ids = self._last_sampled
             rows_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
-            input_ids[self._long([row for row, _ in pending])] = \
-                token_ids[self._long([rows_of[seq_id] for _, seq_id in pending])]
+            step.pending_rows = [row for row, _ in pending]
+            step.pending_ids = token_ids[self._long([rows_of[seq_id] for _, seq_id in pending])]
 
     @torch.inference_mode()
     def run_step(self, step: StepInputs) -> torch.Tensor | None:
-        """Copy blocks, run the forward pass and project ``step.logit_rows`` through the LM
-        head: their logits (on a tensor-parallel worker, None: the driver gathers them)."""
+        """Put ``step`` on the device (its pending inputs filled in there), copy blocks, run
+        the forward pass and project ``step.logit_rows`` through the LM head: their logits
+        (on a tensor-parallel worker, None: the driver gathers them)."""
+        step = step.on_device(self.device)
         if step.copies.numel():
             sources, destinations = step.copies
             self.kv_cache[:, :, destinations] = self.kv_cache[:, :, sources]

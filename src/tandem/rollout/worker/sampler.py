@@ -82,34 +82,54 @@ class Sampler:
         return rows
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Repetition penalties over each row's prompt and output, then frequency and
+        presence penalties over its output, in place: the tokens go over as index lists,
+        every row's penalty in one masked operation (no host read, nothing per row)."""
+        rows = len(seqs)
+        seen, counted = ([], []), ([], [])
+        repetition, frequency, presence = [1.0] * rows, [0.0] * rows, [0.0] * rows
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
             if params.repetition_penalty != 1.0:
-                seen = torch.tensor(seq.token_ids, device=logits.device).unique()
-                scores = logits[row, seen]
-                logits[row, seen] = torch.where(scores > 0, scores / params.repetition_penalty,
-                                                scores * params.repetition_penalty)
+                repetition[row] = params.repetition_penalty
+                seen[0].extend([row] * len(seq.token_ids))
+                seen[1].extend(seq.token_ids)
             if params.presence_penalty or params.frequency_penalty:
-                output = torch.tensor(seq.output_token_ids, dtype=torch.long,
-                                      device=logits.device)
-                counts = torch.bincount(output, minlength=logits.shape[1]).float()
-                logits[row] -= (params.frequency_penalty * counts
-                                + params.presence_penalty * (counts > 0).float())
+                frequency[row], presence[row] = params.frequency_penalty, params.presence_penalty
+                counted[0].extend([row] * len(seq.output_token_ids))
+                counted[1].extend(seq.output_token_ids)
+        if seen[0]:
+            mask = torch.zeros_like(logits, dtype=torch.bool)
+            mask[self._long(seen[0]), self._long(seen[1])] = True
+            penalty = self._floats(repetition)
+            logits.copy_(torch.where(mask, torch.where(logits > 0, logits / penalty,
+                                                       logits * penalty), logits))
+        if any(frequency) or any(presence):
+            counts = torch.zeros_like(logits)
+            counts.index_put_((self._long(counted[0]), self._long(counted[1])),
+                              torch.ones(len(counted[0]), device=logits.device),
+                              accumulate=True)
+            logits -= self._floats(frequency) * counts \
+                + self._floats(presence) * (counts > 0).float()
 
     def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        rows, stops = [], []
         for row, seq in enumerate(seqs):
             params = seq.sampling_params
             # Counting a token still on the device (overlapped steps): this row samples the next.
             if seq.num_tokens - seq.num_prompt_tokens < params.min_tokens and not (
                     seq.matcher is not None and seq.matcher.is_completed()):
-                stops = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
-                logits[row, stops] = float("-inf")
+                ids = params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+                rows += [row] * len(ids)
+                stops += ids
+        if rows:  # one write, its indices copied over as the step's other inputs
+            logits[self._long(rows), self._long(stops)] = float("-inf")
 
     def _apply_temperature(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temperatures = [s.sampling_params.temperature or 1.0 for s in seqs]
         if all(t == 1.0 for t in temperatures):
             return logits
-        return logits / self._to_device(torch.tensor(temperatures))[:, None]
+        return logits / self._floats(temperatures)
 
     def _truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         sampled = [not s.sampling_params.greedy for s in seqs]
@@ -167,6 +187,13 @@ class Sampler:
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device)
+
+    def _long(self, values: list[int]) -> torch.Tensor:
+        return long_tensor(values, self.device)
+
+    def _floats(self, values: list[float]) -> torch.Tensor:
+        """One float32 per row, as a column on the device."""
+        return self._to_device(torch.tensor(values, dtype=torch.float32))[:, None]
 
 
 

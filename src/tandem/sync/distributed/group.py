@@ -4,6 +4,8 @@ transport mode agreed from every rank's device, bucket moves, votes and refusal 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -53,6 +55,11 @@ class TransferGroup:
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", self.store), rank,
                                              world_size, timeout)
         self.data = self._nccl_group() if self.mode == NCCL else self.control
+        # ``Work.wait`` holds the caller's current stream until NCCL's work is done: on the
+        # stream the engine steps on (or the trainer computes on), nothing queued while a
+        # bucket is awaited would run until the peer sends it. The group's own stream waits
+        # instead (``_on_stream``).
+        self.stream = torch.cuda.Stream(self.device) if self.mode == NCCL else None
         # Broadcast modes keep both buffers in flight; an IPC buffer is free again only once
         # the engines have passed the next bucket's barrier.
         self.in_flight = 1 if self.mode == CUDA_IPC else 2
@@ -83,11 +90,33 @@ class TransferGroup:
             return self.control.allreduce([torch.zeros(1)])
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        return self.data.broadcast([buffer], options)
+        with self._on_stream():
+            return self.data.broadcast([buffer], options)
 
     def wait(self, work: dist.Work) -> None:
-        """Wait for ``work`` at most the timeout (raises ``RuntimeError`` past it)."""
-        work.wait(self.timeout)
+        """Wait for ``work`` at most the timeout (raises ``RuntimeError`` past it); what the
+        caller's stream queues next (reading or refilling the bucket) runs after it."""
+        with self._on_stream():
+            work.wait(self.timeout)
+
+    @contextmanager
+    def _on_stream(self) -> Iterator[None]:
+        """Run the block's NCCL work on the group's stream, between the caller's stream's:
+        after what it queued (a bucket packed, or still read, into the buffer), before what
+        it queues next, unless the block raised (a lost peer's work never completes). Off
+        NCCL (gloo, CUDA IPC) the block runs as it is.
+
+        The buffers stay the caller's stream's (allocated, packed and read there, and it
+        waits for each broadcast of them), so the caching allocator needs no
+        ``record_stream``."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            yield
+        caller.wait_stream(self.stream)
 
     def exchange(self, value: int) -> list[int]:
         """Every rank's ``value``, by rank (each rank fills its slot of an all-reduce)."""

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels import KernelOps, cpu_linear
+from tandem.kernels.layers import expert_counts
 
 from ...parallel.tensor_parallel import COLUMN, ROW, TensorParallel
 from .layers import Linear
@@ -82,6 +83,15 @@ class FusedMoE(nn.Module):
         """Multiply each expert through ``linear(x, weight, bias)``, its weight a view of
         the stacked parameter at each call."""
         self.linear, self.panels = linear, None
+
+    @property
+    def capturable(self) -> bool:
+        """True when a forward queues on the device without reading anything back, so a
+        CUDA graph can capture it: the fused grouped path (``LayerKernels.fused_moe``). The
+        per-expert loop (a plan's own matmul: exact log-probs on CUDA) slices each expert's
+        rows by its count, read on the host."""
+        return self.ops.layers.fused_moe is not None and self.linear is None \
+            and self.panels is None
 
     def _expert_linear(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         return (self.linear or F.linear)(x, getattr(self, name)[expert], None)
@@ -141,10 +151,9 @@ class FusedMoE(nn.Module):
             weights, experts = replayed(router_logits, self.forced, experts,
                                         self.spec.renormalize)
         self.routed = experts  # each token's experts, for routing replay
-        fused = self.ops.layers.fused_moe
-        if fused is not None and self.linear is None and self.panels is None:
-            return fused(x, self.gate_up_proj, self.down_proj, experts, weights,
-                         self.ops.silu_and_mul)
+        if self.capturable:
+            return self.ops.layers.fused_moe(x, self.gate_up_proj, self.down_proj, experts,
+                                             weights, self.ops.silu_and_mul)
         return self._grouped(x, weights.to(x.dtype), experts)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
@@ -154,7 +163,7 @@ class FusedMoE(nn.Module):
         expert), weighted and added per token in ascending expert order."""
         top_k, num_experts = self.spec.top_k, self.spec.num_experts
         order = experts.flatten().argsort(stable=True)
-        counts = torch.bincount(experts.flatten(), minlength=num_experts)
+        counts = expert_counts(experts.flatten(), num_experts)
         rows = x[order // top_k]
         if self.panels is not None:
             offsets = F.pad(counts.cumsum(0), (1, 0))
