@@ -14,6 +14,10 @@ engines still alive):
   equal in float32; in bfloat16 a divergence passes only at a near-tie (the float32 model's
   top-2 margin under bfloat16's spacing), and the margin is recorded; seeded sampling with
   overlapped steps against the landed path: the same tokens.
+- ``sync_free``: the steady-state overlapped decode loop with every ``ModelRunner.launch``
+  under ``torch.cuda.set_sync_debug_mode("error")``, per configuration (dense, MoE, FP8 KV,
+  int8 weights, routing replay, ``min_tokens``, penalties, top-p/top-k, seeded, unseeded,
+  top-5 log-probs): ok, or the first synchronizing call and where the project made it.
 - ``memory``: the engine's share at start and under load against ``gpu_memory_utilization``;
   the KV pool released alone and sleep at both levels, each woken (seconds, their parts, what
   stays held; level 2 with the full update that must follow), seeded sampling after.
@@ -21,6 +25,9 @@ engines still alive):
 - ``updates``: copy, alias and LoRA-merge updates against a fresh engine on the saved weights;
   the run-time LoRA layers against ``x W + s (x A) B`` in the same dtype.
 - ``ipc``: a full push from a sender process over CUDA IPC.
+- ``receive_decode``: decode tok/s at batch 64 while a sender process pushes 8 full updates
+  over CUDA IPC (received on a thread), against none in flight; every weight then equals
+  the one sent.
 - ``bandwidth``: paged decode attention at batch 256, context 1k and 4k, against the device
   copy (target: 60%).
 - ``decode``: decode tokens/s, eager against CUDA graphs, at batch 1, 8, 64, 256, with
@@ -39,6 +46,9 @@ engines still alive):
   against the engine's sampled log-probs (target: a gap of exactly 0).
 - ``moe``: the Triton grouped experts at Qwen3-30B-A3B's layer shape (issue 41): error
   against float64, a token's bits alone and among others, seconds against the torch path.
+- ``moe_graphs``: a random Qwen3-MoE engine (fused Triton experts) with decode graphs: it
+  starts and captures them, its greedy tokens equal the eager engine's (float32), and both
+  engines' decode tok/s at batch 1 and 64 with overlapped steps on and off.
 - ``fp8_kv``: the FP8 KV cache (issue 42): the store's bits against ``fp8_kv.quantize``,
   attention over an FP8 pool against float64 attention over its dequantized values (each
   case and dtype of ``kernels``), decode attention's bandwidth over an FP8 pool against a
@@ -52,6 +62,10 @@ engines still alive):
 - ``qwen3_8b``: the Qwen3-8B shape: prefill attention at 8k and 32k against torch's flash
   SDPA, decode attention at 32k against copy, and nano-bench against its bandwidth bound.
 - ``tensor_parallel``: TP=2 against TP=1 (needs two GPUs; recorded as skipped otherwise).
+- ``devices``: TP=2 decode tok/s with overlapped steps on and off; an engine on ``cuda:1``
+  against ``cuda:0`` (greedy, float32); an NCCL update from ``cuda:0`` received by an engine
+  on ``cuda:1`` during generation against a fresh engine on the new weights (each part
+  recorded skipped on one device).
 
 A section that would overrun the budget is skipped and says so; ``--only`` runs some
 sections; ``--table OUT`` prints the table of whatever ``results.jsonl`` holds (the shell
@@ -86,6 +100,7 @@ from gpu_check_common import (  # noqa: E402
     make_llm,
     save_random_model,
 )
+from gpu_check_devices import check_devices  # noqa: E402
 from gpu_check_engine import (  # noqa: E402
     check_lifecycle,
     check_memory,
@@ -101,9 +116,11 @@ from gpu_check_kernels import (  # noqa: E402
     check_long_attention,
     check_resources,
 )
-from gpu_check_moe import check_moe  # noqa: E402
+from gpu_check_moe import check_moe, check_moe_graphs, moe_folder  # noqa: E402
 from gpu_check_quantized import check_quantized_section  # noqa: E402
+from gpu_check_receive import check_receive_decode  # noqa: E402
 from gpu_check_rl import check_grpo, check_ipc, check_server, check_structured  # noqa: E402
+from gpu_check_sync_free import check_sync_free  # noqa: E402
 from gpu_check_throughput import check_decode, check_nano_bench  # noqa: E402
 
 BUDGET_SECONDS = 400
@@ -186,10 +203,12 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
     shape = TOY if rec.smoke else QWEN3_06B
     return {"kernels": (20, lambda: check_kernels(rec, shape)),
             "tokens": (40, lambda: check_tokens(rec, folder)),
+            "sync_free": (35, lambda: check_sync_free(rec, folder, moe_folder(rec, work))),
             "memory": (25, lambda: check_memory(rec, folder)),
             "lifecycle": (8, lambda: check_lifecycle(rec, folder)),
             "updates": (30, lambda: check_updates(rec, folder, work)),
             "ipc": (20, lambda: check_ipc(rec, folder)),
+            "receive_decode": (25, lambda: check_receive_decode(rec, folder, work)),
             "bandwidth": (8, lambda: check_bandwidth(rec, shape)),
             "decode": (35, lambda: check_decode(rec, folder)),
             "nano_bench": (55, lambda: check_nano_bench(rec, folder)),
@@ -198,11 +217,13 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "structured": (15, lambda: check_structured(rec, work)),
             "exact": (25, lambda: check_exact(rec, folder)),
             "moe": (10, lambda: check_moe(rec)),
+            "moe_graphs": (35, lambda: check_moe_graphs(rec, moe_folder(rec, work))),
             "fp8_kv": (30, lambda: check_fp8_kv(rec, shape, folder)),
             "quantized": (35, lambda: check_quantized_section(rec, folder)),
             "resources": (2, lambda: check_resources(rec)),
             "qwen3_8b": (60, lambda: check_qwen3_8b(rec, work)),
-            "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder))}
+            "tensor_parallel": (20, lambda: check_tensor_parallel(rec, folder)),
+            "devices": (40, lambda: check_devices(rec, folder, work))}
 
 
 def main() -> None:

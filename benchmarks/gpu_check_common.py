@@ -13,7 +13,12 @@ from pathlib import Path
 import torch
 from common import CHAT_TEMPLATE, byte_tokenizer
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tandem.rollout import LLM
 
@@ -146,10 +151,11 @@ def save_byte_tokenizer(folder: Path) -> int:
 
 def save_random_model(shape: dict, folder: Path, dtype: torch.dtype, device: torch.device,
                       seed: int = 0, word_tokenizer: bool = True) -> Path:
-    """Save a random-weight Qwen3 of ``shape`` (built on ``device``) and, with
-    ``word_tokenizer``, a word tokenizer of its vocabulary to ``folder``; returns it."""
-    config = Qwen3Config(**shape)
-    config.architectures = ["Qwen3ForCausalLM"]
+    """Save a random-weight Qwen3 of ``shape`` (built on ``device``; a Qwen3-MoE where the
+    shape has experts, ``num_experts``) and, with ``word_tokenizer``, a word tokenizer of its
+    vocabulary to ``folder``; returns it."""
+    config = (Qwen3MoeConfig if "num_experts" in shape else Qwen3Config)(**shape)
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -280,12 +280,18 @@ def check_against_fresh(rec: Recorder, name: str, llm: LLM, saved: Path,
     the compiled kernels change) must not decide a bitwise comparison."""
     got = seeded(llm, prompts, tokens)
     fresh = make_llm(rec, saved, max_num_seqs=16)
-    if rec.device.type == "cpu":
-        fresh.engine.runner.model.pack_linear_weights(llm.engine.runner.model.linear_layout)
+    same_linear_layout(fresh, llm)
     want = seeded(fresh, prompts, tokens)
     del fresh
     collect()
     rec.record("updates", f"{name} = fresh engine", **values, **compare_samples(got, want))
+
+
+def same_linear_layout(fresh: LLM, llm: LLM) -> None:
+    """On a CPU, have ``fresh`` multiply in ``llm``'s linear layout (each engine times its
+    own when it loads: see ``check_against_fresh``); a no-op on CUDA."""
+    if fresh.engine.runner.device.type == "cpu":
+        fresh.engine.runner.model.pack_linear_weights(llm.engine.runner.model.linear_layout)
 
 
 def check_lora_runtime(rec: Recorder, folder: Path, adapter: dict, spec: LoraSpec) -> None:

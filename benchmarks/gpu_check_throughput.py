@@ -33,15 +33,16 @@ from tandem.rollout import LLM, SamplingParams
 
 
 @contextmanager
-def decoding(llm: LLM, batch: int, steps: int) -> Iterator[Callable[[], object]]:
-    """``batch`` sequences (128-token prompts) prefilled and one step into decoding; yields
-    a call that runs ``steps`` decode steps; aborts them after."""
+def decoding(llm: LLM, batch: int, steps: int, **sampling) -> Iterator[Callable[[], object]]:
+    """``batch`` sequences (128-token prompts, greedy, EOS ignored, room for ``3 * steps +
+    8`` tokens; ``sampling`` overrides these ``SamplingParams``) prefilled and one step into
+    decoding; yields a call that runs ``steps`` decode steps; aborts them after."""
     engine = llm.engine
     request_ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    params = SamplingParams(**(dict(temperature=0, max_tokens=3 * steps + 8, ignore_eos=True)
+                               | sampling))
     for i, request_id in enumerate(request_ids):
-        engine.add_request(request_id, [(7 * i + j) % 500 + 2 for j in range(128)],
-                           SamplingParams(temperature=0, max_tokens=3 * steps + 8,
-                                          ignore_eos=True))
+        engine.add_request(request_id, [(7 * i + j) % 500 + 2 for j in range(128)], params)
     while min(engine.num_output_tokens(r) for r in request_ids) == 0:  # every prefill done
         engine.step()
     engine.step()
@@ -56,6 +57,20 @@ def decode_tok_s(llm: LLM, batch: int, steps: int) -> float:
     """Decode tokens/s of ``batch`` sequences (see ``decoding``)."""
     with decoding(llm, batch, steps) as run:
         return batch * steps / timed(run)
+
+
+def decode_overlap_rows(rec: Recorder, section: str, name: str, llm: LLM) -> None:
+    """``llm``'s decode tokens/s at batch 1 and 64 (1 and 2 with ``--smoke``), overlapped
+    steps on and off: a row named ``name`` per batch."""
+    steps = 4 if rec.smoke else 32
+    for batch in (1, 2) if rec.smoke else (1, 64):
+        tok_s = {}
+        for overlap in (True, False):
+            llm.engine.steps.overlap = overlap
+            tok_s[overlap] = decode_tok_s(llm, batch, steps)
+        rec.record(section, name, batch=batch, overlap_on=round(tok_s[True], 1),
+                   overlap_off=round(tok_s[False], 1),
+                   overlap_gain=round(tok_s[True] / tok_s[False], 3))
 
 
 def device_busy_fraction(run: Callable[[], object]) -> float | None:

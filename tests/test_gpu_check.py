@@ -1,20 +1,37 @@
-"""The GPU check runs end to end at toy sizes on a CPU (``gpu_check.sh --smoke``), and each
-of its sections lets go of its engines before the next starts."""
+"""The GPU check runs end to end at toy sizes on a CPU (``gpu_check.sh --smoke``), each of
+its sections lets go of its engines before the next starts, and the parts that need more
+devices than there are are recorded skipped."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "tokens", "memory", "lifecycle", "updates", "ipc", "bandwidth", "decode",
-            "nano_bench", "server", "grpo", "structured", "exact", "moe", "fp8_kv", "quantized",
-            "resources", "qwen3_8b", "tensor_parallel"}
+SECTIONS = {"kernels", "tokens", "sync_free", "memory", "lifecycle", "updates", "ipc",
+            "receive_decode", "bandwidth", "decode", "nano_bench", "server", "grpo", "structured",
+            "exact", "moe", "moe_graphs", "fp8_kv", "quantized", "resources", "qwen3_8b",
+            "tensor_parallel", "devices"}
+SYNC_FREE_CONFIGS = ["dense, greedy", "min_tokens", "penalties", "top-p/top-k", "seeded",
+                     "unseeded", "log-probs, top 5", "MoE, fused Triton experts",
+                     "routing replay", "FP8 KV", "int8 weights"]
+
+
+def benchmark_modules(*names: str) -> list[ModuleType]:
+    """The GPU check's modules, imported from ``benchmarks/``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return [importlib.import_module(name) for name in names]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +72,33 @@ def test_every_section_leaves_no_engine_alive(smoke_rows):
     assert all(row["engines_alive"] == 0 and row["held_gib"] == 0 for row in between.values())
 
 
+def test_smoke_run_checks_every_sync_free_configuration_and_the_new_sections(smoke_rows):
+    rows, _ = smoke_rows
+    sync_free = [row for row in rows if row["section"] == "sync_free" and row["name"] != "between"]
+    assert [row["name"] for row in sync_free] == SYNC_FREE_CONFIGS
+    assert all(row["launches"] == 2 and "error" not in row for row in sync_free)
+    checked = {(row["section"], row["name"]): row for row in rows if "ok" in row}
+    assert checked["moe_graphs", "greedy tokens, graphs = eager (float32)"]["ok"]
+    received = checked["receive_decode", "decode tok/s during full updates over none"]
+    assert received["ok"] and received["updates"] == 2 and received["all_equal"]
+    assert checked["devices", "engine on cuda:1 = on cuda:0"]["ok"]
+    assert checked["devices", "NCCL update during generation = fresh engine"]["ok"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="runs every part on two GPUs")
+def test_the_multi_device_parts_are_recorded_skipped_on_one_device(tmp_path):
+    common, devices = benchmark_modules("gpu_check_common", "gpu_check_devices")
+    rec = common.Recorder(tmp_path, 600, smoke=False)  # CUDA's device, with none or one GPU
+    devices.check_devices(rec, tmp_path / "never-read", tmp_path)
+    rows = [json.loads(line) for line in rec.path.read_text().splitlines()]
+    assert rows == [{"section": "devices", "name": "skipped", "part": part, "reason": "one device"}
+                    for part in devices.PARTS]
+
+
 def test_a_section_that_keeps_its_engine_is_reported(tmp_path, llama_dir):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from gpu_check import run_section
-        from gpu_check_common import Recorder, live_engines, make_llm
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    gpu_check, common = benchmark_modules("gpu_check", "gpu_check_common")
+    run_section, Recorder = gpu_check.run_section, common.Recorder
+    live_engines, make_llm = common.live_engines, common.make_llm
     rec = Recorder(tmp_path, 600, smoke=True)
     kept = []
     run_section(rec, "releases", 0, lambda: make_llm(rec, llama_dir).generate([[3, 4]]),
