@@ -259,8 +259,7 @@ class ModelRunner:
             elif len(parts) == 1:
                 module.set_lora(parts[0])
             else:
-                sizes = [module.out_features // len(parts)] * len(parts)
-                module.set_lora(stack_lora(parts, sizes))
+                module.set_lora(stack_lora(parts, list(module.part_rows)))
 
     def agreed_num_blocks(self, num_blocks: int) -> int:
         """``num_blocks``, or for the ranks of an SPMD engine (each sizes its pool from its

@@ -8,6 +8,7 @@ Each layer declares its tensor-parallel split and the Hugging Face tensors it ho
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -35,17 +36,23 @@ class Linear(nn.Linear):
     Args:
         split: how tensor parallelism splits it (``tensor_parallel.SPLITS``): ``"column"``
             by output, ``"kv_heads"`` by output in whole KV heads, ``"row"`` by input,
-            ``"vocab"`` by vocabulary rows; None replicated.
+            ``"vocab"`` by vocabulary rows; None replicated. A layer of several parts may
+            give one per part (q by column, k and v by KV heads).
         parts: the Hugging Face modules whose weights it stacks along its outputs, in
             equal parts (vLLM's merged column-parallel layer, e.g. ``("gate_proj",
             "up_proj")`` for a ``gate_up_proj``); empty when it is one Hugging Face module.
+        part_rows: this rank's output rows of each part where they differ (vLLM's QKV
+            layer: q, k and v of grouped-query attention); empty: equal parts.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 split: str | None = None, parts: tuple[str, ...] = ()) -> None:
+                 split: str | tuple[str, ...] | None = None, parts: tuple[str, ...] = (),
+                 part_rows: tuple[int, ...] = ()) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.split = split
         self.parts = parts
+        count = max(1, len(parts))
+        self.part_rows = part_rows or (out_features // count,) * count
         self.packed: PackedWeight | LiveLinear | None = None
         self.register_buffer("weight_scale", None, persistent=False)
 
@@ -66,14 +73,15 @@ class Linear(nn.Linear):
     def weight_targets(self, prefix: str) -> dict[str, WeightTarget]:
         """This layer's Hugging Face tensors (``prefix`` its module name) and where each
         goes: its own weight and bias, or each part's, in its slot."""
-        kinds = {"weight": self.split, "bias": ROW_BIAS if self.split == ROW else self.split}
         names = [name for name, _ in self.named_parameters(recurse=False)]
         if not self.parts:
-            return {f"{prefix}.{name}": WeightTarget(f"{prefix}.{name}", kinds[name])
+            return {f"{prefix}.{name}": WeightTarget(f"{prefix}.{name}", _kind(self.split, name))
                     for name in names}
         module = prefix.rpartition(".")[0]
-        return {f"{module}.{part}.{name}": WeightTarget(f"{prefix}.{name}", kinds[name],
-                                                        ((index, len(self.parts)),))
+        splits = self.split if isinstance(self.split, tuple) else (self.split,) * len(self.parts)
+        sizes = self.part_rows if len(set(self.part_rows)) > 1 else len(self.parts)
+        return {f"{module}.{part}.{name}": WeightTarget(
+                    f"{prefix}.{name}", _kind(splits[index], name), ((index, sizes),))
                 for index, part in enumerate(self.parts) for name in names}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,8 +97,9 @@ class LoraLinear(Linear):
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool,
-                 split: str | None = None, parts: tuple[str, ...] = ()) -> None:
-        super().__init__(in_features, out_features, bias, split, parts)
+                 split: str | tuple[str, ...] | None = None, parts: tuple[str, ...] = (),
+                 part_rows: tuple[int, ...] = ()) -> None:
+        super().__init__(in_features, out_features, bias, split, parts, part_rows)
         self.register_buffer("lora_a", None, persistent=False)
         self.register_buffer("lora_b", None, persistent=False)
         self.lora_scale = 0.0
@@ -138,21 +147,31 @@ class LiveLinear:
 class FusedProjections:
     """Projections that read the same input (q/k/v, gate/up), each keeping its own module,
     Hugging Face name, weight and LoRA adapter. With ``packed`` set (on CPU, by
-    ``pack_linear_weights``) they multiply as one packed matrix; else each on its own."""
+    ``pack_linear_weights``) they multiply as one packed matrix; else each on its own.
+    With ``by_part`` a layer of several parts (a packed ``qkv_proj``) gives each part's
+    output (views of its own), so a family with packed layers runs Llama's forward."""
 
-    __slots__ = ("layers", "sizes", "packed")
+    __slots__ = ("layers", "sizes", "packed", "by_part")
 
-    def __init__(self, *layers: LoraLinear) -> None:
+    def __init__(self, *layers: LoraLinear, by_part: bool = False) -> None:
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
         self.packed: PackedWeight | None = None
+        self.by_part = by_part
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each projection of ``x``, in order."""
+        """Each projection of ``x`` (with ``by_part`` each part of each), in order."""
         if self.packed is None:
-            return [layer(x) for layer in self.layers]
-        outs = self.packed(x).split(self.sizes, dim=-1)
-        return [layer.add_lora(x, out) for layer, out in zip(self.layers, outs, strict=True)]
+            outs = [layer(x) for layer in self.layers]
+        else:
+            outs = [layer.add_lora(x, out) for layer, out in
+                    zip(self.layers, self.packed(x).split(self.sizes, dim=-1), strict=True)]
+        if not self.by_part:
+            return outs
+        # one view per part (narrow; split's views may not be rotated in place under autograd)
+        return [out.narrow(-1, start, rows) for layer, out in zip(self.layers, outs, strict=True)
+                for start, rows in zip(itertools.accumulate(layer.part_rows, initial=0),
+                                       layer.part_rows)]
 
 
 class RMSNorm(nn.Module):
@@ -195,6 +214,12 @@ class VocabEmbedding(nn.Embedding):
         elsewhere = (local < 0) | (local >= stop - start)
         hidden = F.embedding(local.masked_fill(elsewhere, 0), self.weight)
         return self.tp.all_reduce(hidden.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
+def _kind(split: str | None, name: str) -> str | None:
+    """The split of a layer's ``name`` tensor (weight or bias) for the layer's ``split``: a
+    row-parallel layer's bias is whole, added on rank 0 (``"row_bias"``)."""
+    return ROW_BIAS if name == "bias" and split == ROW else split
 
 
 def stack_lora(parts: list[tuple[torch.Tensor, torch.Tensor, float] | None], sizes: list[int]

@@ -31,14 +31,16 @@ from ...parallel.tensor_parallel import (
 from .base import CausalLM, KVShape
 from .layers import FusedProjections, Linear, LoraLinear, RMSNorm, VocabEmbedding
 from .moe import SparseMoeBlock
-from .rotary import RotaryEmbedding, check_rope_type
+from .rotary import RotaryEmbedding, check_rope_type, rotary_dim
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
 
 
 class LlamaAttention(nn.Module):
     """Self-attention that writes this step's K/V into the pool and reads through it (an
-    FP8 pool through its scales ``k_scale``/``v_scale``, which the runner binds)."""
+    FP8 pool through its scales ``k_scale``/``v_scale``, which the runner binds); the
+    leading ``rotary_dim`` dimensions of each head rotate (all unless the config rotates
+    part of each head)."""
 
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
                  tp: TensorParallel) -> None:
@@ -47,6 +49,7 @@ class LlamaAttention(nn.Module):
         self.tp = tp
         self.num_heads, self.num_kv_heads = local_heads(config, tp.size)
         self.head_dim = head_dim_of(config)
+        self.rotary_dim = rotary_dim(config, self.head_dim)
         self.scale = self.head_dim ** -0.5
         config_bias = bool(getattr(config, "attention_bias", False)) and arch.bias_from_config
         # Qwen2-MoE's config says whether q/k/v have biases (``qkv_bias``)
@@ -54,11 +57,8 @@ class LlamaAttention(nn.Module):
         o_bias = arch.o_bias or config_bias
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = LoraLinear(hidden, q_size, qkv_bias, COLUMN)
-        self.k_proj = LoraLinear(hidden, kv_size, qkv_bias, KV_HEADS)
-        self.v_proj = LoraLinear(hidden, kv_size, qkv_bias, KV_HEADS)
+        self.qkv = self.input_projections(hidden, q_size, kv_size, qkv_bias)
         self.o_proj = LoraLinear(q_size, hidden, o_bias, ROW)
-        self.qkv = FusedProjections(self.q_proj, self.k_proj, self.v_proj)
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
@@ -66,6 +66,15 @@ class LlamaAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+
+    def input_projections(self, hidden: int, q_size: int, kv_size: int, bias: bool
+                          ) -> FusedProjections:
+        """The q, k and v projections (this rank's ``q_size`` and ``kv_size`` rows), as
+        the group the forward pass reads them through: here three layers."""
+        self.q_proj = LoraLinear(hidden, q_size, bias, COLUMN)
+        self.k_proj = LoraLinear(hidden, kv_size, bias, KV_HEADS)
+        self.v_proj = LoraLinear(hidden, kv_size, bias, KV_HEADS)
+        return FusedProjections(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, rope: Rope, hidden: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -76,7 +85,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        self.ops.rotary_embedding(rope[0], q, k, rope[1], rope[2])
+        rotated = self.rotary_dim
+        self.ops.rotary_embedding(rope[0], q[..., :rotated], k[..., :rotated], rope[1], rope[2])
         scales = self.k_scale, self.v_scale
         if self.ops.causal_attention is not None:  # a trainer's forward: no pool
             out = self.ops.causal_attention(q, k, v, metadata, self.scale, *scales)
@@ -98,10 +108,15 @@ class LlamaMLP(nn.Module):
         self.tp = tp
         hidden = config.hidden_size
         intermediate = (intermediate_size or config.intermediate_size) // tp.size
+        self.gate_up = self.input_projections(hidden, intermediate)
+        self.down_proj = LoraLinear(intermediate, hidden, False, ROW)
+
+    def input_projections(self, hidden: int, intermediate: int) -> FusedProjections:
+        """The gate and up projections (this rank's ``intermediate`` rows each), as the
+        group the forward pass reads them through: here two layers."""
         self.gate_proj = LoraLinear(hidden, intermediate, False, COLUMN)
         self.up_proj = LoraLinear(hidden, intermediate, False, COLUMN)
-        self.down_proj = LoraLinear(intermediate, hidden, False, ROW)
-        self.gate_up = FusedProjections(self.gate_proj, self.up_proj)
+        return FusedProjections(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down(silu(gate(x)) * up(x))."""
@@ -127,6 +142,9 @@ class ArchitectureSpec:
     # a mixture of experts' block (``moe.SparseMoeBlock``), built as moe(config, ops, tp)
     # in the layers ``sparse_layer`` picks; None: a dense model
     moe: Callable[..., nn.Module] | None = None
+    # built as attention(config, arch, ops, tp); it exposes ``qkv`` (giving q, k and v) and
+    # ``o_proj``
+    attention: type[nn.Module] = LlamaAttention
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -139,7 +157,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
                  tp: TensorParallel, index: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, arch, ops, tp)
+        self.self_attn = arch.attention(config, arch, ops, tp)
         sparse = arch.moe is not None and sparse_layer(config, index)
         self.mlp = arch.moe(config, ops, tp) if sparse else arch.mlp(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -203,8 +221,8 @@ class LlamaForCausalLM(CausalLM):
     @classmethod
     def check_config(cls, config: PretrainedConfig) -> None:
         """Refuse a rope type or an MLP activation this family does not implement."""
-        check_rope_type(config)
-        if cls.arch.mlp is LlamaMLP and config.hidden_act != "silu":
+        check_rope_type(config, head_dim_of(config))
+        if issubclass(cls.arch.mlp, LlamaMLP) and config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only "
                              "'silu').")
 

@@ -25,7 +25,8 @@ _MODELS: dict[str, type[CausalLM] | str] = {
     **{name: f"{_PACKAGE}.llama:{name}" for name in
        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
     **{name: f"{_PACKAGE}.mixtures:{name}" for name in
-       ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")}}
+       ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")},
+    "Phi3ForCausalLM": f"{_PACKAGE}.phi3:Phi3ForCausalLM"}
 _EXTERNAL: dict[str, str] = {}
 
 

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 
 # A slot: per level, (index, parts) selects along dim 0 the index-th of ``parts`` equal
-# parts, or with parts None the index-th entry of a stacked dimension (removing it).
-Slot = tuple[tuple[int, int | None], ...]
+# parts, or with parts a tuple of row counts the index-th of parts of those sizes (q, k and v
+# of grouped-query attention), or with parts None the index-th entry of a stacked dimension
+# (removing it).
+Slot = tuple[tuple[int, int | tuple[int, ...] | None], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +43,9 @@ class WeightTarget:
         for index, parts in self.slot:
             if parts is None:
                 parameter = parameter[index]
+            elif isinstance(parts, tuple):
+                start = sum(parts[:index])
+                parameter = parameter[start:start + parts[index]]
             else:
                 size = parameter.shape[0] // parts
                 parameter = parameter[index * size:(index + 1) * size]
