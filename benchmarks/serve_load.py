@@ -87,6 +87,7 @@ from tandem.rollout.serving.client import ServerError, TandemClient
 from tandem.sync import WeightUpdateError
 
 API_KEY = "serve-load-key"
+CONTROL_KEY = "serve-load-trainer-key"  # the trainer's, for weight transfer
 SENTENCES = ["What is 2+3? The answer is 5.", "The quick brown fox jumps over the lazy dog.",
              "Tandem shares a GPU with the trainer and samples groups of completions.",
              "def add(a, b):\n    return a + b\n", "Seventeen times four is sixty-eight."]
@@ -380,7 +381,8 @@ async def push_weights(server: Server, weights: dict[str, torch.Tensor], tally: 
                        every: int, stop_at: float) -> tuple[int, list[int], list[str]]:
     """Push ``weights`` plus noise each ``every`` answered requests until ``stop_at``: updates
     sent, versions applied (answered and served by ``/server_info``), failures."""
-    trainer, sent, applied, failures = TandemClient(server.url, api_key=API_KEY), 0, [], []
+    trainer = TandemClient(server.url, api_key=API_KEY, control_api_key=CONTROL_KEY)
+    sent, applied, failures = 0, [], []
     await asyncio.to_thread(trainer.init_weight_transfer)
     next_at = every
     while time.monotonic() < stop_at:
@@ -420,7 +422,8 @@ async def soak(args: argparse.Namespace) -> bool:
     """The soak run; True when every target passes."""
     with tempfile.TemporaryDirectory() as tmp:
         weights = save_tiny_model(Path(tmp))
-        options = ["--enable-weight-transfer", *shlex.split(args.server_args)]
+        options = ["--enable-weight-transfer", "--control-api-key", CONTROL_KEY,
+                   *shlex.split(args.server_args)]
         async with running_server(Path(tmp), options) as server, \
                 http_client(server, args.timeout) as client:
             tally, rng, start = Tally(), random.Random(args.seed), time.monotonic()

@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 
 from tandem.rollout import LLM, SamplingParams, WeightUpdateError
 from tandem.rollout.serving.client import ServerError, TandemClient
-from tests.test_server import API_KEY, ENGINE_OPTIONS, running_server
+from tests.test_server import API_KEY, CONTROL_KEY, ENGINE_OPTIONS, running_server
 from tests.test_sync_distributed import BUCKET_BYTES, answer
 from tests.test_weight_update import GREEDY, PROMPTS, fresh_completions, trainer_model
 
@@ -30,7 +30,7 @@ def trainer_process(url: str, folder: str, conn: Connection) -> None:
     command pushes its weights (seeded noise on the checkpoint) and answers the version or
     the refusal."""
     torch.set_num_threads(1)
-    client = TandemClient(url, api_key=API_KEY)
+    client = TandemClient(url, api_key=API_KEY, control_api_key=CONTROL_KEY)
     client.init_weight_transfer(bucket_bytes=BUCKET_BYTES, timeout=timedelta(seconds=60))
     conn.send("joined")
     state = trainer_model(Path(folder), seed=1).state_dict()
@@ -91,7 +91,8 @@ def joined_trainer(url: str, folder) -> Iterator[Connection]:
 
 
 def test_weight_update_from_trainer_process_while_clients_generate(llama_dir, tmp_path):
-    with running_server(llama_dir, enable_weight_transfer=True) as (url, engine):
+    with running_server(llama_dir, enable_weight_transfer=True,
+                        control_api_key=CONTROL_KEY) as (url, engine):
         client = TandemClient(url, api_key=API_KEY)
         with joined_trainer(url, llama_dir) as conn:
             versions, stop = [], threading.Event()

@@ -41,6 +41,10 @@ ENGINE_OPTIONS = dict(num_kv_blocks=256, max_model_len=256)
 LIMITS = dict(max_prompt_tokens=64, max_n=8, max_tokens=64, max_body_bytes=1 << 16)
 PROMPTS = ["What is 2+3?", "The quick brown fox"]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+CONTROL_KEY = "test-control-key"
+CONTROL_AUTH = {"Authorization": f"Bearer {CONTROL_KEY}"}
+# The engine-control routes under a key of their own, as a trainer's server runs them.
+CONTROL_OPTIONS = dict(enable_control_routes=True, control_api_key=CONTROL_KEY)
 
 
 @contextmanager
@@ -48,9 +52,11 @@ def running_uvicorn(folder, engine_options: dict | None = None, **server_options
                     ) -> Iterator[tuple[str, LLMEngine, DrainingServer, threading.Thread]]:
     """A server for the model in ``folder`` (with ``engine_options``, default
     ``ENGINE_OPTIONS``) on a free port of 127.0.0.1, in a thread; also the uvicorn server
-    (``should_exit = True`` shuts it down, as SIGTERM does) and its thread."""
+    (``should_exit = True`` shuts it down, as SIGTERM does) and its thread. Its control
+    routes are served, under the API key unless ``server_options`` give a control key."""
     engine = LLMEngine(EngineConfig(model=str(folder), **(engine_options or ENGINE_OPTIONS)))
-    config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, **server_options)
+    config = ServerConfig(**{"api_key": API_KEY, "served_model_name": MODEL,
+                             "enable_control_routes": True} | server_options)
     listener = socket.socket()
     listener.bind((HOST, 0))
     server = uvicorn_server(engine, config, log_level="warning")
@@ -94,7 +100,7 @@ def recorded_request_ids(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.fixture(scope="module")
 def served(llama_dir) -> Iterator[tuple[str, LLMEngine]]:
-    with running_server(llama_dir, **LIMITS) as served:
+    with running_server(llama_dir, **LIMITS, **CONTROL_OPTIONS) as served:
         yield served
 
 
@@ -188,7 +194,8 @@ def test_token_id_prompt_returns_prompt_and_completion_ids_with_weight_version(s
     assert choice["prompt_token_ids"] == prompt
     assert choice["prompt_logprobs"][0] is None
     for ours, offline_entry in zip(choice["prompt_logprobs"][1:], expected.prompt_logprobs[1:]):
-        assert {int(t): v for t, v in ours.items()} == pytest.approx(offline_entry, abs=1e-5)
+        assert {int(t): v["logprob"] for t, v in ours.items()} == pytest.approx(offline_entry,
+                                                                             abs=1e-5)
     assert choice["token_ids"] == expected.outputs[0].token_ids
     assert choice["logprobs"]["token_logprobs"] == pytest.approx(expected.outputs[0].logprobs,
                                                                  abs=1e-5)
@@ -251,7 +258,7 @@ def bad_requests(url: str) -> list[tuple[int, str | None, dict]]:
         (401, None, post | {"json": ok, "headers": {"Authorization": "Bearer wrong"}}),
         (400, "prompt", post | {"json": ok | {"prompt": [True, False]}}),
         (400, None, post | {"json": ok | {"max_tokens": 0}}),
-        (403, None, dict(method="POST", url=f"{url}/init_weight_transfer_engine",
+        (404, None, dict(method="POST", url=f"{url}/init_weight_transfer_engine",
                          headers=AUTH, json={"init_info": {"master_address": HOST,
                                                            "master_port": 1}})),
         (404, None, dict(method="GET", url=f"{url}/v2/nothing", headers=AUTH)),
@@ -377,12 +384,13 @@ def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served, m
     worker = request()
     while not generated():
         time.sleep(0.002)
-    assert httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/pause", params={"mode": "keep"},
+                      headers=CONTROL_AUTH).status_code == 200
     frozen = generated()
     time.sleep(0.2)
     assert generated() == frozen < 60
     assert httpx.get(f"{url}/is_paused", headers=AUTH).json() == {"is_paused": True}
-    httpx.post(f"{url}/pause", params={"mode": "abort"}, headers=AUTH)
+    httpx.post(f"{url}/pause", params={"mode": "abort"}, headers=CONTROL_AUTH)
     worker.join(60)
     assert results[0].choices[0].finish_reason == "abort"
     assert results[0].usage.completion_tokens == frozen
@@ -390,7 +398,7 @@ def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served, m
     worker = request()
     time.sleep(0.2)
     assert not engine.has_unfinished_requests()  # held until /resume
-    httpx.post(f"{url}/resume", headers=AUTH)
+    httpx.post(f"{url}/resume", headers=CONTROL_AUTH)
     worker.join(60)
     assert results[1].choices[0].finish_reason == "length"
     wait_until_idle(engine)
@@ -399,20 +407,23 @@ def test_pause_keep_freezes_abort_ends_and_resume_admits_held_requests(served, m
 
 def test_sleep_refuses_generation_until_wake_up(served):
     url, _ = served
-    assert httpx.post(f"{url}/sleep", params={"level": 1}, headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/sleep", params={"level": 1},
+                      headers=CONTROL_AUTH).status_code == 200
     assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
     asleep = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x"})
     assert asleep.status_code == 409 and "wake_up" in asleep.json()["error"]["message"]
     assert httpx.post(f"{url}/wake_up", params={"tags": ["weights", "kv_cache"]},
-                      headers=AUTH).status_code == 200
-    assert httpx.post(f"{url}/reset_prefix_cache", headers=AUTH).status_code == 200
+                      headers=CONTROL_AUTH).status_code == 200
+    assert httpx.post(f"{url}/reset_prefix_cache", headers=CONTROL_AUTH).status_code == 200
     assert httpx.post(f"{url}/v1/completions", headers=AUTH,
                       json={"prompt": "x", "max_tokens": 2}).status_code == 200
-    assert httpx.post(f"{url}/release_kv_cache_memory", headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/release_kv_cache_memory",
+                      headers=CONTROL_AUTH).status_code == 200
     assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": True}
-    assert httpx.post(f"{url}/wake_up", headers=AUTH).status_code == 200
+    assert httpx.post(f"{url}/wake_up", headers=CONTROL_AUTH).status_code == 200
     assert httpx.get(f"{url}/is_sleeping", headers=AUTH).json() == {"is_sleeping": False}
-    assert httpx.post(f"{url}/sleep", params={"level": 3}, headers=AUTH).status_code == 400
+    assert httpx.post(f"{url}/sleep", params={"level": 3},
+                      headers=CONTROL_AUTH).status_code == 400
 
 
 def test_serve_freezes_what_start_up_loaded_until_it_shuts_down(llama_dir):

@@ -26,6 +26,8 @@ from tandem.rollout.serving.server import uvicorn_server
 from .test_server import (
     API_KEY,
     AUTH,
+    CONTROL_AUTH,
+    CONTROL_OPTIONS,
     ENGINE_OPTIONS,
     HOST,
     LIMITS,
@@ -48,9 +50,9 @@ def running_process_server(folder, engine_options: dict | None = None,
                            **server_options) -> Iterator[tuple[str, object]]:
     """A server whose engine core has a process of its own (``engine_options``, default
     ``ENGINE_OPTIONS``), on a free port of 127.0.0.1, in a thread; its address and
-    ``TandemServer``."""
-    config = ServerConfig(api_key=API_KEY, served_model_name=MODEL, engine_core="process",
-                          **server_options)
+    ``TandemServer``. Its control routes are served under ``CONTROL_KEY``."""
+    config = ServerConfig(**{"api_key": API_KEY, "served_model_name": MODEL,
+                             "engine_core": "process", **CONTROL_OPTIONS} | server_options)
     listener = socket.socket()
     listener.bind((HOST, 0))
     server = uvicorn_server(EngineConfig(model=str(folder),
@@ -221,7 +223,7 @@ def test_a_dead_core_process_answers_503_and_ends_streams(llama_dir):
             lines = filter(None, stream.iter_lines())
             next(lines)
             assert httpx.post(f"{url}/pause", params={"mode": "keep"},
-                              headers=AUTH).is_success
+                              headers=CONTROL_AUTH).is_success
             server.async_engine.core.process.kill()
             *_, error, done = list(lines)
         health = httpx.get(f"{url}/health")

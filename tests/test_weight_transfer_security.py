@@ -16,7 +16,7 @@ from tandem.rollout.serving import engine_core
 from tandem.rollout.serving.allowed_hosts import AllowedHosts
 from tandem.rollout.serving.client import TandemClient
 from tandem.rollout.serving.config import ServerConfig
-from tests.test_server import API_KEY, AUTH, HOST, running_server
+from tests.test_server import API_KEY, CONTROL_AUTH, CONTROL_KEY, HOST, running_server
 from tests.test_sync_distributed import BUCKET_BYTES, free_port
 from tests.test_weight_update import GREEDY, PROMPTS, trainer_model
 
@@ -75,11 +75,11 @@ def test_an_init_naming_a_host_not_allowed_is_refused_before_connecting(llama_di
                                                                         monkeypatch):
     joined = []
     monkeypatch.setattr(engine_core, "WeightReceiver", lambda *args: joined.append(args))
-    with running_server(llama_dir, enable_weight_transfer=True,
+    with running_server(llama_dir, enable_weight_transfer=True, control_api_key=CONTROL_KEY,
                         weight_transfer_allowed_hosts="127.0.0.1,10.0.0.0/8") as (url, _):
-        refused = httpx.post(f"{url}/init_weight_transfer_engine", headers=AUTH,
+        refused = httpx.post(f"{url}/init_weight_transfer_engine", headers=CONTROL_AUTH,
                              json=init_info("192.168.7.7", 29500), timeout=30)
-        allowed = httpx.post(f"{url}/init_weight_transfer_engine", headers=AUTH,
+        allowed = httpx.post(f"{url}/init_weight_transfer_engine", headers=CONTROL_AUTH,
                              json=init_info("10.1.2.3", 29500), timeout=30)
     assert refused.status_code == 403
     error = refused.json()["error"]
@@ -93,12 +93,12 @@ def test_an_init_naming_a_host_not_allowed_is_refused_before_connecting(llama_di
 
 def test_an_init_nobody_answers_is_a_504_and_a_later_init_succeeds(llama_dir):
     port = free_port()
-    with running_server(llama_dir, enable_weight_transfer=True,
+    with running_server(llama_dir, enable_weight_transfer=True, control_api_key=CONTROL_KEY,
                         weight_transfer_timeout=TIMEOUT_SECONDS) as (url, engine):
-        answer = httpx.post(f"{url}/init_weight_transfer_engine", headers=AUTH,
+        answer = httpx.post(f"{url}/init_weight_transfer_engine", headers=CONTROL_AUTH,
                             json=init_info(HOST, port), timeout=60)
         health = httpx.get(f"{url}/health", timeout=30)
-        client = TandemClient(url, api_key=API_KEY)
+        client = TandemClient(url, api_key=API_KEY, control_api_key=CONTROL_KEY)
         client.init_weight_transfer(bucket_bytes=BUCKET_BYTES, timeout=timedelta(seconds=30))
         state = trainer_model(llama_dir, seed=4).state_dict()
         version = client.update_weights(state.items())

@@ -114,10 +114,16 @@ class LLMEngine:
         return self.input_processor.process(prompt)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """The token ids of a conversation (and ``tools``) under the model's chat template
-        (ValueError as ``InputProcessor.apply_chat_template``)."""
-        return self.input_processor.apply_chat_template(conversation, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, *,
+                            continue_final_message: bool = False,
+                            add_special_tokens: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of a conversation (and ``tools``) under the model's chat template;
+        the options and the ValueError as ``InputProcessor.apply_chat_template``."""
+        return self.input_processor.apply_chat_template(
+            conversation, add_generation_prompt, tools,
+            continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens, chat_template_kwargs=chat_template_kwargs)
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The compiled constraint of ``params.structured_outputs`` (None without one),

@@ -98,21 +98,28 @@ class LLM:
     def chat(self, conversations: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None, continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Apply the chat template to each conversation and generate from its token ids.
 
         The template supplies the special tokens (nothing is added on top). A conversation
         is a list of ``{"role": ..., "content": ...}`` messages; ``tools`` (OpenAI's
-        function dicts) are rendered by the template for every conversation.
+        function dicts) are rendered by the template for every conversation. As vLLM's:
+        ``continue_final_message`` leaves each conversation's last message open, so the
+        completion continues it (pass ``add_generation_prompt=False`` with it), and
+        ``chat_template_kwargs`` are further variables the template reads (such as Qwen 3's
+        ``enable_thinking``).
 
         Raises:
-            ValueError: when the model has no tokenizer or chat template, or the template
-                ignores ``tools``.
+            ValueError: as ``InputProcessor.apply_chat_template``: no tokenizer or chat
+                template, a template that ignores ``tools``, both ``add_generation_prompt``
+                and ``continue_final_message``, a reserved ``chat_template_kwargs`` key.
         """
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.apply_chat_template(c, add_generation_prompt, tools)
-                   for c in conversations]
+        prompts = [self.engine.apply_chat_template(
+            c, add_generation_prompt, tools, continue_final_message=continue_final_message,
+            chat_template_kwargs=chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     @property

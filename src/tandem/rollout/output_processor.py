@@ -132,11 +132,14 @@ class OutputProcessor:
 
     def _final_text(self, seq: Sequence) -> str:
         output = seq.output_token_ids
+        keeps_stop = seq.sampling_params.include_stop_str_in_output
         if isinstance(seq.stop_reason, str):
             text = self._decode(seq, output)
             end = text.find(seq.stop_reason)
-            return text[:end] if end >= 0 else text
-        if seq.finish_reason == "stop" and output:
+            if end < 0:
+                return text
+            return text[:end + len(seq.stop_reason)] if keeps_stop else text[:end]
+        if seq.finish_reason == "stop" and output and not keeps_stop:
             output = output[:-1]  # the EOS or stop token
         return self._decode(seq, output)
 

@@ -35,6 +35,9 @@ class SamplingParams:
         "strings that end a completion (left out of its text).")})
     stop_token_ids: list[int] = field(default_factory=list, metadata={"help": (
         "token ids that end a completion (kept in its token ids).")})
+    include_stop_str_in_output: bool = field(default=False, metadata={"help": (
+        "keep what ended the completion in its text: the matched stop string, or the "
+        "stop token's text (a special token is still left out by skip_special_tokens).")})
     ignore_eos: bool = field(default=False, metadata={"help": "generate past EOS."})
     seed: int | None = field(default=None, metadata={"help": (
         "this request's own seed: its k-th token draws from (seed, k) alone (None: the "

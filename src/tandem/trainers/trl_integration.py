@@ -70,7 +70,9 @@ from trl.trainer import grpo_trainer  # noqa: E402
 # (GRPOConfig field, the value Tandem supports, why and what to do instead)
 REQUIRED_SETTINGS = (
     ("vllm_mode", "colocate", "Tandem generates inside each training process; for a separate "
-     "server use `tandem serve` with TandemClient in a rollout_func"),
+     "server run `tandem serve --enable-control-routes --enable-weight-transfer "
+     "--control-api-key KEY` and drive it with TandemClient(url, api_key, "
+     "control_api_key=KEY) in a rollout_func"),
     ("vllm_tensor_parallel_size", 1, "each process runs one Tandem engine on its own device"),
 )
 # Set by TRL itself from its own config fields, so not accepted in generation_kwargs.

@@ -2,8 +2,10 @@
 
 ``generate`` and ``chat`` return ``RequestOutput``s as ``LLM`` does; ``update_weights``
 pushes tensors over a torch.distributed group (``tandem.sync.WeightSender``, gloo on CPU,
-NCCL across GPUs) while driving the server's weight-transfer endpoints. Only the standard
-library speaks HTTP here, so a trainer needs no server dependencies.
+NCCL across GPUs) while driving the server's weight-transfer endpoints. Generation sends the
+inference key (the server's ``--api-key``); the engine controls (sleep, pause, weight
+transfer) send the control key (its ``--control-api-key``). Only the standard library speaks
+HTTP here, so a trainer needs no server dependencies.
 """
 
 from __future__ import annotations
@@ -44,14 +46,19 @@ class TandemClient:
 
     Args:
         base_url: e.g. ``http://127.0.0.1:8000``.
-        api_key: the server's ``--api-key``, if it has one.
+        api_key: the server's ``--api-key``, if it has one: sent on generation and the
+            read-only routes.
         timeout: seconds to wait for any one HTTP call.
+        control_api_key: the server's ``--control-api-key``, if it has one: sent on the
+            routes that control the engine (sleep, wake up, pause, resume, reset the prefix
+            cache, weight transfer), which a server without one guards with ``api_key``.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, *, control_api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
+        self.control_api_key = control_api_key
         self.timeout = timeout
         self.sender: WeightSender | None = None
 
@@ -86,17 +93,18 @@ class TandemClient:
         if self.sender is None:
             raise RuntimeError("call init_weight_transfer() before update_weights().")
         tensors = [(name, tensor.detach()) for name, tensor in named_tensors]
-        self.post("/start_weight_update", {"is_checkpoint_format": True})
+        self.post("/start_weight_update", {"is_checkpoint_format": True}, control=True)
         announced = {"names": [name for name, _ in tensors],
                      "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in tensors],
                      "shapes": [list(t.shape) for _, t in tensors]}
         answers: list[int] = []
         try:
             self._alongside(lambda: answers.append(self.post(
-                "/update_weights", {"update_info": announced})["weight_version"]),
+                "/update_weights", {"update_info": announced},
+                control=True)["weight_version"]),
                 lambda: self.sender.send(tensors, version, full))
         finally:
-            self.post("/finish_weight_update")
+            self.post("/finish_weight_update", control=True)
         return answers[0]
 
     def init_weight_transfer(self, master_address: str = "127.0.0.1", master_port: int = 0,
@@ -114,7 +122,8 @@ class TandemClient:
                      "rank_offset": 1, "world_size": 2}
         senders: list[WeightSender] = []
         self._alongside(
-            lambda: self.post("/init_weight_transfer_engine", {"init_info": init_info}),
+            lambda: self.post("/init_weight_transfer_engine", {"init_info": init_info},
+                              control=True),
             lambda: senders.append(WeightSender(master_address, port, 2, device,
                                                 bucket_bytes, timeout)))
         self.sender = senders[0]
@@ -122,28 +131,28 @@ class TandemClient:
     def sleep(self, level: int = 1) -> None:
         """Put the server to sleep at vLLM's ``level`` (1: weights to CPU, KV pool freed;
         2: both discarded, a full weight update must follow) while the trainer steps."""
-        self.post(f"/sleep?level={level}")
+        self.post(f"/sleep?level={level}", control=True)
 
     def release_kv_cache_memory(self) -> None:
         """Free the server's KV pool alone (its weights stay) until ``wake_up``."""
-        self.post("/release_kv_cache_memory")
+        self.post("/release_kv_cache_memory", control=True)
 
     def wake_up(self, tags: Collection[str] | None = None) -> None:
         """Restore what ``sleep`` freed (``tags``: only ``weights`` or ``kv_cache``)."""
         query = urllib.parse.urlencode([("tags", tag) for tag in tags or []])
-        self.post(f"/wake_up?{query}" if query else "/wake_up")
+        self.post(f"/wake_up?{query}" if query else "/wake_up", control=True)
 
     def reset_prefix_cache(self) -> None:
         """Forget the server's cached prefix blocks."""
-        self.post("/reset_prefix_cache")
+        self.post("/reset_prefix_cache", control=True)
 
     def pause(self, mode: str = "abort") -> None:
         """Pause generation (``abort``, ``wait`` or ``keep`` the requests in flight)."""
-        self.post(f"/pause?mode={mode}")
+        self.post(f"/pause?mode={mode}", control=True)
 
     def resume(self) -> None:
         """Resume generation after ``pause``."""
-        self.post("/resume")
+        self.post("/resume", control=True)
 
     def server_info(self) -> dict[str, Any]:
         """The server's model, weight version, limits and engine configuration."""
@@ -157,8 +166,10 @@ class TandemClient:
         """
         return self._call(urllib.request.Request(self.base_url + path, method="GET"))
 
-    def post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        """POST ``payload`` as JSON to ``path``; the JSON answer.
+    def post(self, path: str, payload: dict[str, Any] | None = None,
+             control: bool = False) -> Any:
+        """POST ``payload`` as JSON to ``path`` (with the control key when ``control``, for
+        a route that controls the engine); the JSON answer.
 
         Raises:
             ServerError: for an error status.
@@ -166,11 +177,13 @@ class TandemClient:
         data = None if payload is None else json.dumps(payload).encode()
         request = urllib.request.Request(self.base_url + path, data=data, method="POST",
                                          headers={"Content-Type": "application/json"})
-        return self._call(request)
+        return self._call(request, control)
 
-    def _call(self, request: urllib.request.Request) -> Any:
-        if self.api_key is not None:
-            request.add_header("Authorization", f"Bearer {self.api_key}")
+    def _call(self, request: urllib.request.Request, control: bool = False) -> Any:
+        key = self.control_api_key if control and self.control_api_key is not None \
+            else self.api_key
+        if key is not None:
+            request.add_header("Authorization", f"Bearer {key}")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 body = response.read()

@@ -3,6 +3,7 @@ so the command line can be built without the ``serve`` extra)."""
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from tandem.kernels.cpu_threads import parse_cpu_list
@@ -23,13 +24,25 @@ class ServerConfig:
     host: str = field(default="127.0.0.1", metadata={"help": (
         "the address to bind; 127.0.0.1 (this machine only) unless told otherwise.")})
     port: int = field(default=8000, metadata={"help": "the TCP port."})
-    api_key: str | None = field(default=None, metadata={"help": (
-        "when set, every endpoint but /health and /metrics wants ``Authorization: Bearer "
-        "KEY``.")})
+    # Keys stay out of the repr, so a logged configuration never shows them.
+    api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "when set, every endpoint but /health, /metrics and the control endpoints wants "
+        "``Authorization: Bearer KEY``.")})
+    control_api_key: str | None = field(default=None, repr=False, metadata={"help": (
+        "the trainer's key: the control endpoints (--enable-control-routes) and the "
+        "weight-transfer ones (--enable-weight-transfer) want ``Authorization: Bearer KEY`` "
+        "with it and refuse --api-key (403), so a client holding the inference key cannot "
+        "sleep, pause or re-weight the engine. Needed to serve either on a --host other "
+        "than loopback; without it, on loopback, they want --api-key.")})
+    enable_control_routes: bool = field(default=False, metadata={"help": (
+        "serve the endpoints a trainer drives the engine with: /sleep, /wake_up, "
+        "/release_kv_cache_memory, /pause, /resume, /reset_prefix_cache (vLLM serves them "
+        "only with VLLM_SERVER_DEV_MODE=1). Off: they answer 404 naming this option.")})
     metrics_require_api_key: bool = field(default=False, metadata={"help": (
         "guard /metrics with the API key too (off: open, as vLLM's, for scrapers).")})
     enable_weight_transfer: bool = field(default=False, metadata={"help": (
-        "serve the weight-transfer endpoints (off: they answer 403).")})
+        "serve the weight-transfer endpoints, under --control-api-key (off: they answer 404 "
+        "naming this option).")})
     served_model_name: str | None = field(default=None, metadata={"help": (
         "the ``model`` name clients use; default the model argument.")})
     max_body_bytes: int = field(default=8 << 20, metadata={"help": "largest request body."})
@@ -110,6 +123,32 @@ class ServerConfig:
         if not isinstance(self.api_nice, int) or not 0 <= self.api_nice <= 19:
             raise ValueError(f"api_nice={self.api_nice!r} is invalid: it must be an integer "
                              "in [0, 19].")
+        self._check_control_key()
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} is invalid: it must be "
                              ">= 0 seconds (0 aborts the running requests at once).")
+
+    def _check_control_key(self) -> None:
+        if self.control_api_key is not None and (
+                not self.control_api_key or self.control_api_key == self.api_key):
+            raise ValueError("control_api_key is invalid: it must be a non-empty key other "
+                             "than api_key, or a client holding the inference key could "
+                             "control the engine.")
+        serves_control = self.enable_control_routes or self.enable_weight_transfer
+        if serves_control and self.control_api_key is None and not is_loopback(self.host):
+            option = ("--enable-control-routes" if self.enable_control_routes
+                      else "--enable-weight-transfer")
+            raise ValueError(f"{option} on host={self.host!r} needs control_api_key: without "
+                             "it any client holding --api-key (or none) could sleep, pause or "
+                             "re-weight the engine. Set --control-api-key KEY (the trainer's), "
+                             "or bind --host 127.0.0.1.")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a bind address) reaches this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

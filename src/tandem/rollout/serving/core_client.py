@@ -112,12 +112,6 @@ class EngineMirror:
         """As ``LLMEngine.process_prompt`` (ValueError for a prompt it cannot take)."""
         return self.input_processor.process(prompt)
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> list[int]:
-        """As ``LLMEngine.apply_chat_template`` (ValueError as it)."""
-        return self.input_processor.apply_chat_template(conversation, add_generation_prompt,
-                                                        tools)
-
 
 class ProcessCore:
     """An ``EngineCore`` in a process of its own, which builds the engine from ``config``;

@@ -14,6 +14,7 @@ from .core_client import EngineDeadError
 from .errors import APIError, error_responses
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import TandemServer
+from .tokenize_routes import chat_prompt_ids
 
 OPENAI_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI
 # A whole answer is JSON, a streamed one server-sent events (each a ``data`` line: a chunk
@@ -51,9 +52,6 @@ def openai_routes(server: TandemServer) -> APIRouter:
     @router.post("/v1/completions", responses=GENERATION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
-        if body.echo or body.suffix:
-            raise APIError(400, "echo and suffix are not supported.",
-                           param="echo" if body.echo else "suffix")
         params = server.sampling_params(body, _first_set(body.max_tokens,
                                                          OPENAI_DEFAULT_MAX_TOKENS),
                                         body.logprobs)
@@ -70,8 +68,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
         params = server.sampling_params(body, max_tokens, logprobs)
         server.async_engine.admission.check(1)  # before any work on the template
         prompt = await server.async_engine.call_input(
-            server.engine.apply_chat_template, body.conversation(), body.add_generation_prompt,
-            tools)
+            chat_prompt_ids, server.engine.input_processor, body, tools)
         prompts = await server.process_prompts([prompt])
         return await server.openai_response(request, body, prompts, params, chat=True,
                                             tool_calls=body.parses_tool_calls)
@@ -90,5 +87,6 @@ def _prompt_list(prompts: list[Prompt]) -> list[Prompt]:
 
 
 def _first_set(*values: int | None) -> int:
-    """The first value given (0 included: it is refused later, as OpenAI refuses it)."""
+    """The first value given (0 included: it is refused later, as OpenAI refuses it,
+    unless a completion echoes its prompt)."""
     return next(value for value in values if value is not None)

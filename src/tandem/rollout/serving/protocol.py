@@ -10,7 +10,14 @@ completions, a flag plus ``top_logprobs`` for chat), ``stop`` (a string or a lis
 ``response_format`` (``json_object``, ``json_schema``) says the same in its shape. Chat
 completions take OpenAI's typed ``messages`` (messages.py), ``tools`` and ``tool_choice``
 (``required`` and a named function force the tool-call format through a structural tag).
-Tandem adds ``timeout`` to every generating body. Then Tandem's own bodies: ``/v1/rollouts`` and the
+Tandem adds ``timeout`` to every generating body. Both take vLLM's ``echo`` (the prompt, or
+the last message, before each completion), ``prompt_logprobs`` and
+``return_tokens_as_token_ids``; every other field of vLLM's or OpenAI's these bodies do not
+honour is in ``UNHONOURED``, refused with a 400 naming it and why, never taken and ignored
+(unless its value changes nothing). Chat completions and ``/tokenize`` take
+vLLM's chat-template options (``continue_final_message``, ``chat_template_kwargs``,
+``add_special_tokens``). Then the bodies of vLLM's ``/tokenize`` (a ``prompt`` or
+``messages``) and ``/detokenize``, and Tandem's own: ``/v1/rollouts`` and the
 weight-transfer endpoints (vLLM's shapes).
 """
 
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,6 +36,7 @@ from pydantic import (
     StrictInt,
     create_model,
     field_validator,
+    model_validator,
 )
 
 from ..input_processor import Prompt
@@ -36,11 +45,22 @@ from ..sampling_params import SamplingParams
 from ..structured_outputs import INSTALL_HINT, StructuredOutputsParams, as_structured_outputs
 from .errors import APIError
 from .messages import ChatMessage, templated
+from .responses import ChoiceForm
 
 TIMEOUT = Field(default=None, gt=0, allow_inf_nan=False, description=(
     "Tandem's extension: seconds this request may take from when it is queued; the server's "
     "--request-timeout applies when smaller. Past it the request is aborted and answered "
     "504 (a stream ends with an error event)."))
+# vLLM's chat-template options, for chat completions and /tokenize alike.
+CONTINUE_FINAL_MESSAGE = Field(default=False, description=(
+    "vLLM's: leave the last message open (no end-of-turn marker after its content), so the "
+    "model continues it, a prefill; excludes add_generation_prompt (set it to false)."))
+CHAT_TEMPLATE_KWARGS = Field(default=None, description=(
+    "vLLM's: further variables the chat template reads (such as Qwen 3's enable_thinking); "
+    "not apply_chat_template's own arguments (tokenize, chat_template, ...)."))
+CHAT_ADD_SPECIAL_TOKENS = Field(default=False, description=(
+    "vLLM's: add the tokenizer's special tokens (such as BOS) on top of those the chat "
+    "template writes (most templates write them all: leave it false)."))
 # The schema says what the server refuses: no empty prompt, text or list, no negative id
 # (a fuzzer's schema-valid request must be one the server takes).
 Text = Annotated[str, Field(min_length=1)]
@@ -49,6 +69,89 @@ OnePrompt = Text | TokenIds
 # Set by each route in its OpenAI shape, then passed to ``SamplingRequest.sampling_params``.
 ROUTE_CHOSEN = ("max_tokens", "logprobs")
 OPENAI_SHAPED = (*ROUTE_CHOSEN, "stop", "stop_token_ids")
+
+
+def _one_of(*values: Any) -> Callable[[Any, Mapping[str, Any]], bool]:
+    return lambda value, _: value in values
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unhonoured:
+    """A request field of vLLM's or OpenAI's that this server does not honour: why, and
+    ``harmless(value, body)``, true for a value that changes nothing (that one is taken)."""
+
+    why: str
+    harmless: Callable[[Any, Mapping[str, Any]], bool] = _one_of(None)
+
+
+def _spaces_harmless(value: Any, body: Mapping[str, Any]) -> bool:
+    return value in (None, False) or body.get("skip_special_tokens", True) is True
+
+
+_SAMPLED = ("it would change the sampled distribution, which the processed log-probs a "
+            "trainer replays do not model")
+_NO_DISAGGREGATION = "Tandem has no disaggregated serving"
+# What a request gets when it sends one of these with a value that would change anything:
+# a 400 naming it and why (a field a body declares is that body's own, never refused).
+UNHONOURED: dict[str, Unhonoured] = {
+    "suffix": Unhonoured("Tandem has no fill-in-the-middle: put all the text in prompt",
+                         _one_of(None, "")),
+    "best_of": Unhonoured("Tandem has no best-of: ask for n completions and rank them",
+                          _one_of(None, 1)),
+    "use_beam_search": Unhonoured("Tandem has no beam search", _one_of(None, False)),
+    "length_penalty": Unhonoured("it weighs beam search, which Tandem does not have",
+                                 _one_of(None, 1.0)),
+    "logit_bias": Unhonoured(_SAMPLED, _one_of(None, {})),
+    "allowed_token_ids": Unhonoured(f"{_SAMPLED} (structured_outputs constrains the output "
+                                    "with exact log-probs)"),
+    "bad_words": Unhonoured(_SAMPLED, _one_of(None, [])),
+    "logprob_token_ids": Unhonoured("log-probs of chosen token ids are not computed: ask "
+                                    "for the top k with logprobs"),
+    "truncate_prompt_tokens": Unhonoured("Tandem never truncates a prompt: shorten it "
+                                         "(the server's limit is --max-prompt-tokens)"),
+    "truncation_side": Unhonoured("Tandem never truncates a prompt"),
+    "add_special_tokens": Unhonoured("a text prompt always gets the tokenizer's special "
+                                     "tokens (such as BOS): send token ids to leave them out",
+                                     _one_of(None, True)),
+    "spaces_between_special_tokens": Unhonoured(
+        "the text is the tokenizer's own decoding (as vLLM's fast detokenizer), which puts "
+        "no spaces between special tokens", _spaces_harmless),
+    "prompt_embeds": Unhonoured("a prompt is text or token ids"),
+    "priority": Unhonoured("requests are scheduled first come, first served",
+                           _one_of(None, 0)),
+    "cache_salt": Unhonoured("the prefix cache is shared, not salted"),
+    "kv_transfer_params": Unhonoured(_NO_DISAGGREGATION),
+    "ec_transfer_params": Unhonoured(_NO_DISAGGREGATION),
+    "vllm_xargs": Unhonoured("Tandem has no custom request extensions"),
+    "repetition_detection": Unhonoured("Tandem does not detect repetitions: use stop or "
+                                       "max_tokens"),
+    "thinking_token_budget": Unhonoured("Tandem has no reasoning budget: use max_tokens"),
+    "reasoning_effort": Unhonoured("Tandem has no reasoning control (chat_template_kwargs "
+                                   "reach the chat template)"),
+    "include_reasoning": Unhonoured("Tandem has no reasoning parser: the reply is the whole "
+                                    "text", _one_of(None, True)),
+    "stream_interval": Unhonoured("a stream sends every token ready when it writes"),
+    "watermarking": Unhonoured("Tandem does not watermark", _one_of(None, False)),
+    "routed_experts_prompt_start": Unhonoured("routed experts cover the whole prompt",
+                                              _one_of(None, 0)),
+    "request_id": Unhonoured("the server names each request (the response's id)"),
+    "parallel_tool_calls": Unhonoured("every tool call the model writes is answered (a named "
+                                      "tool_choice forces exactly one)", _one_of(None, True)),
+    "functions": Unhonoured("OpenAI's deprecated functions: send tools"),
+    "function_call": Unhonoured("OpenAI's deprecated function_call: send tool_choice"),
+    "chat_template": Unhonoured("the model's own chat template is applied"),
+    "documents": Unhonoured("pass them in chat_template_kwargs, which the chat template "
+                            "reads"),
+    "mm_processor_kwargs": Unhonoured("Tandem serves text models"),
+    "media_io_kwargs": Unhonoured("Tandem serves text models"),
+    "audio": Unhonoured("Tandem serves text models"),
+    "modalities": Unhonoured("Tandem answers text only", _one_of(None, ["text"])),
+    "prediction": Unhonoured("Tandem has no predicted outputs"),
+    "web_search_options": Unhonoured("Tandem has no web search"),
+    "store": Unhonoured("Tandem stores no completion", _one_of(None, False)),
+    "service_tier": Unhonoured("Tandem has one service tier",
+                               _one_of(None, "auto", "default")),
+}
 
 
 def _request_field(field: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
@@ -84,6 +187,8 @@ class JSONSchemaFormat(BaseModel):
     """``response_format.json_schema``: the schema (``name`` and ``strict`` are OpenAI's
     labels; the schema is always enforced)."""
 
+    model_config = ConfigDict(strict=True)  # JSON types only, as the request's own fields
+
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -93,6 +198,8 @@ class JSONSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
     object) or ``json_schema`` (the given schema)."""
+
+    model_config = ConfigDict(strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -116,12 +223,15 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class SamplingRequest(_SamplingFields):
     """The fields completions and chat completions share: the model, every ``SamplingParams``
-    field (those in OpenAI's shape declared here), streaming and ``return_token_ids``."""
+    field (those in OpenAI's shape declared here), streaming, ``return_token_ids`` and
+    ``return_tokens_as_token_ids``; a field in ``UNHONOURED`` is refused."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -130,8 +240,28 @@ class SamplingRequest(_SamplingFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = Field(default=False, description=(
+        "vLLM's: name each log-prob token token_id:N instead of its text (a token that is "
+        "no whole UTF-8 character stays identifiable)."))
     response_format: ResponseFormat | None = None
     timeout: float | None = TIMEOUT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unhonoured(cls, body: Any) -> Any:
+        """Refuse a field of ``UNHONOURED`` holding a value that would change anything.
+
+        Raises:
+            APIError: 400 naming the field and why.
+        """
+        if not isinstance(body, dict):
+            return body
+        for name, unhonoured in UNHONOURED.items():
+            if (name in body and name not in cls.model_fields
+                    and not unhonoured.harmless(body[name], body)):
+                raise APIError(400, f"{name} is not supported by this server: "
+                               f"{unhonoured.why}. Leave it out.", param=name)
+        return body
 
     @field_validator("stop", "stop_token_ids")
     @classmethod
@@ -143,13 +273,23 @@ class SamplingRequest(_SamplingFields):
         ``logprobs`` (validated: ValueError names the field).
 
         Raises:
-            APIError: for two constraints at once (see ``constraint``).
+            APIError: for two constraints at once (see ``constraint``), or
+                ``prompt_logprobs`` in a stream.
         """
+        if self.stream and self.prompt_logprobs is not None:
+            raise APIError(400, "prompt_logprobs are not sent in a stream (as vLLM's): leave "
+                           "out stream or prompt_logprobs.", param="prompt_logprobs")
         fields = {field.name: getattr(self, field.name)
                   for field in dataclasses.fields(SamplingParams)
                   if field.name not in ROUTE_CHOSEN}
         fields["structured_outputs"] = self.constraint()
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+
+    def choice_form(self, params: SamplingParams) -> ChoiceForm:
+        """How this request's choices are written, given its ``params``."""
+        return ChoiceForm(return_token_ids=self.return_token_ids,
+                          token_id_names=self.return_tokens_as_token_ids,
+                          top_logprobs=params.logprobs or 0)
 
     def constraint(self) -> StructuredOutputsParams | None:
         """What the completions must match: ``structured_outputs`` or ``response_format``.
@@ -176,14 +316,41 @@ class CompletionRequest(SamplingRequest):
     prompt: OnePrompt | Annotated[list[Text], Field(min_length=1)] | \
         Annotated[list[TokenIds], Field(min_length=1)]
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = Field(default=False, description=(
+        "each choice starts with its prompt: the text, and with logprobs the prompt's tokens "
+        "and log-probs (raw: the model's, given the tokens before) before the completion's; "
+        "with max_tokens 0 the prompt alone is scored and nothing generated."))
 
     def prompts(self) -> list[Prompt]:
         """The prompts as a list (a single text or token-id list becomes one)."""
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """True for ``echo`` with ``max_tokens`` 0: the prompt scored, nothing generated
+        shown (the engine samples one token, left out, as vLLM's)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """As ``SamplingRequest.sampling_params``; with ``echo`` and ``logprobs`` the prompt
+        is scored too (``prompt_logprobs`` defaults to ``logprobs``, as vLLM's), and
+        ``scores_prompt_only`` samples one token.
+
+        Raises:
+            APIError, ValueError: as ``SamplingRequest.sampling_params``.
+        """
+        params = super().sampling_params(1 if self.scores_prompt_only else max_tokens,
+                                         logprobs)
+        if self.echo and params.prompt_logprobs is None and logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=logprobs)
+        return params
+
+    def choice_form(self, params: SamplingParams) -> ChoiceForm:
+        """As ``SamplingRequest.choice_form``, with the prompt echoed when asked."""
+        return dataclasses.replace(super().choice_form(params), echo=self.echo,
+                                   prompt_only=self.scores_prompt_only)
 
 
 class FunctionDefinition(BaseModel):
@@ -226,9 +393,15 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = CONTINUE_FINAL_MESSAGE
+    chat_template_kwargs: dict[str, Any] | None = CHAT_TEMPLATE_KWARGS
+    add_special_tokens: bool = CHAT_ADD_SPECIAL_TOKENS
     tools: list[ChatCompletionToolsParam] | None = None
     tool_choice: (Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
                   | None) = None
+    echo: bool = Field(default=False, description=(
+        "vLLM's: each reply starts with the last message's content when that message has "
+        "the reply's role (assistant; without add_generation_prompt, the last message's own)."))
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as the chat template reads them: each content as plain text (text
@@ -239,6 +412,16 @@ class ChatCompletionRequest(SamplingRequest):
             APIError: for tool-call arguments that are not JSON.
         """
         return [templated(message) for message in self.messages]
+
+    def choice_form(self, params: SamplingParams) -> ChoiceForm:
+        """As ``SamplingRequest.choice_form``; with ``echo``, the text each reply starts with
+        (vLLM's: the last message's content when its role is the reply's, else none)."""
+        form = super().choice_form(params)
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        if not self.echo or last.role != role:
+            return form
+        return dataclasses.replace(form, chat_echo=templated(last)["content"])
 
     def constraint(self) -> StructuredOutputsParams | None:
         """As ``SamplingRequest.constraint``; a ``required`` or named ``tool_choice`` forces
@@ -385,3 +568,63 @@ class UpdateWeightsRequest(BaseModel):
     """``POST /update_weights``."""
 
     update_info: UpdateInfo = UpdateInfo()
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: vLLM's ``TokenizeCompletionRequest`` (a ``prompt``) or
+    ``TokenizeChatRequest`` (``messages``, with the chat completion's template options), as
+    one body; ``is_chat`` refuses both or neither."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: str | None = None
+    prompt: str | None = Field(default=None, description=(
+        "a text, tokenized as a completion of it is; give this or messages."))
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        default=None, description="a chat, tokenized as a chat completion of it is.")
+    add_special_tokens: bool | None = Field(default=None, description=(
+        "add the tokenizer's special tokens (such as BOS); by default true for a prompt, "
+        "false for messages (the chat template writes them), as vLLM's."))
+    add_generation_prompt: bool = True
+    continue_final_message: bool = CONTINUE_FINAL_MESSAGE
+    chat_template_kwargs: dict[str, Any] | None = CHAT_TEMPLATE_KWARGS
+    tools: list[ChatCompletionToolsParam] | None = None
+    return_token_strs: bool = Field(default=False, description=(
+        "also answer each id's token string (token_strs)."))
+
+    @model_validator(mode="after")
+    def _default_special_tokens(self) -> TokenizeRequest:
+        if self.add_special_tokens is None:
+            self.add_special_tokens = self.messages is None
+        return self
+
+    def is_chat(self) -> bool:
+        """True for ``messages``, False for a ``prompt``.
+
+        Raises:
+            APIError: for both, or neither.
+        """
+        if self.prompt is not None and self.messages is not None:
+            raise APIError(400, "give either prompt (a text) or messages (a chat), not both.",
+                           param="messages")
+        if self.prompt is None and self.messages is None:
+            raise APIError(400, "give prompt (a text) or messages (a chat) to tokenize.",
+                           param="prompt")
+        return self.messages is not None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template reads them (``ChatCompletionRequest``'s)."""
+        return [templated(message) for message in self.messages or []]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template reads them (OpenAI's dicts), None without any."""
+        return [tool.model_dump(exclude_unset=True) for tool in self.tools or []] or None
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(strict=True)
+
+    model: str | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]

@@ -8,10 +8,19 @@ finishes with ``"tool_calls"``.
 Beyond OpenAI's fields, every body carries Tandem's ``weight_version`` and every choice the
 ``weight_versions`` its tokens were sampled under, so a trainer can see which weights
 sampled a rollout.
+
+vLLM's extras, as its server writes them (vllm/entrypoints/openai/completion/serving.py
+and chat_completion/serving.py): with ``echo`` a completion choice starts with its prompt
+(text, tokens and, with log-probs, the prompt's own: the first token's null) and a chat
+reply with the last message's content; ``prompt_logprobs`` per prompt position as
+``{token id: {"logprob", "rank", "decoded_token"}}``; ``return_tokens_as_token_ids``
+names log-prob tokens ``token_id:N``. A completion's ``top_logprobs`` hold, as OpenAI's
+and vLLM's, the chosen token and up to ``logprobs`` more.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import uuid
 from dataclasses import dataclass, field, replace
@@ -95,6 +104,70 @@ def _tail(values: list | None, start: int) -> list | None:
     return None if values is None else values[start:]
 
 
+@dataclass(frozen=True, slots=True)
+class ChoiceForm:
+    """How one request's choices are written, beyond what its outputs hold.
+
+    ``token_id_names``: log-prob tokens named ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``). ``top_logprobs``: a completion's ``logprobs`` k (each
+    ``top_logprobs`` entry holds the chosen token and up to k more). ``echo``: a completion
+    choice starts with its prompt; ``prompt_only``: echo with ``max_tokens`` 0, nothing
+    generated shown. ``chat_echo``: the text each chat reply starts with.
+    """
+
+    return_token_ids: bool = False
+    token_id_names: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
+    prompt_only: bool = False
+    chat_echo: str = ""
+
+
+def nothing_generated(output: RequestOutput) -> RequestOutput:
+    """``output`` with nothing generated shown (echo with ``max_tokens`` 0, for which the
+    engine sampled one token): each completion empty and, once finished, finished by its
+    0 tokens (``"length"``) unless aborted."""
+    return replace(output, outputs=[_emptied(c) for c in output.outputs])
+
+
+def _emptied(completion: CompletionOutput) -> CompletionOutput:
+    end = len(completion.token_ids)
+    finish_reason = completion.finish_reason
+    if finish_reason not in (None, "abort"):
+        finish_reason = "length"
+    return replace(completion, token_ids=[], text="", cumulative_logprob=None,
+                   logprobs=_tail(completion.logprobs, end),
+                   top_logprobs=_tail(completion.top_logprobs, end),
+                   finish_reason=finish_reason, stop_reason=None)
+
+
+@dataclass(slots=True)
+class _Scored:
+    """Text and its tokens with, per token, its log-prob and its entry (its own and the top
+    k's log-probs), None where unscored; ``logprobs`` None: none asked."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[float | None] | None
+    entries: list[dict[int, float] | None] | None
+
+    def __add__(self, other: _Scored) -> _Scored:
+        scored = self.logprobs is not None and other.logprobs is not None
+        return _Scored(self.text + other.text, self.token_ids + other.token_ids,
+                       self.logprobs + other.logprobs if scored else None,
+                       self.entries + other.entries if scored else None)
+
+
+def _generated(completion: CompletionOutput) -> _Scored:
+    """A completion's tokens, each entry its chosen token's log-prob and its top k."""
+    if completion.logprobs is None:
+        return _Scored(completion.text, completion.token_ids, None, None)
+    tops = completion.top_logprobs or [{}] * len(completion.token_ids)
+    return _Scored(completion.text, completion.token_ids, list(completion.logprobs),
+                   [{token_id: logprob} | top for token_id, logprob, top
+                    in zip(completion.token_ids, completion.logprobs, tops)])
+
+
 class ResponseBuilder:
     """Builds OpenAI response bodies (whole or streamed chunks) from outputs.
 
@@ -113,72 +186,121 @@ class ResponseBuilder:
         return {"id": response_id, "object": obj, "created": created, "model": self.model_name,
                 "choices": choices, "weight_version": weight_version}
 
-    def completion_choice(self, index: int, completion: CompletionOutput,
-                          prompt_token_ids: list[int] | None, return_token_ids: bool,
-                          prompt_logprobs: list | None = None) -> dict[str, Any]:
-        """One ``text_completion`` choice (whole, or a streamed delta), with the prompt's
-        log-probs when given (vLLM's field)."""
-        choice = {"index": index, "text": completion.text,
-                  "logprobs": self._completion_logprobs(completion),
+    def completion_choice(self, index: int, output: RequestOutput,
+                          completion: CompletionOutput, form: ChoiceForm, echo: bool,
+                          text_offset: int = 0, prompt_logprobs: list | None = None
+                          ) -> dict[str, Any]:
+        """One ``text_completion`` choice (whole, or a streamed delta) of ``output``: with
+        ``echo`` the prompt first (vLLM's; a stream echoes in each choice's first chunk);
+        ``text_offset`` is where its text starts in the choice's whole text (a stream's
+        later chunks); with the prompt's log-probs in vLLM's shape when given."""
+        scored = self._echoed_prompt(output) + _generated(completion) if echo \
+            else _generated(completion)
+        choice = {"index": index, "text": scored.text,
+                  "logprobs": self._completion_logprobs(scored, form, text_offset),
                   "finish_reason": completion.finish_reason,
                   "stop_reason": completion.stop_reason,
                   "weight_versions": completion.weight_versions}
-        if return_token_ids:
-            choice |= {"token_ids": completion.token_ids, "prompt_token_ids": prompt_token_ids}
+        if form.return_token_ids:
+            choice |= {"token_ids": completion.token_ids,
+                       "prompt_token_ids": output.prompt_token_ids}
         if prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs
         return choice
 
     def chat_choice(self, index: int, completion: CompletionOutput, stream: bool,
-                    return_token_ids: bool, parser: ToolCallParser | None = None
-                    ) -> dict[str, Any]:
-        """One chat choice: a ``message``, or in a stream a ``delta``; with a ``parser``
-        (the completion's own, fed every delta in turn) holding its tool calls."""
+                    form: ChoiceForm, parser: ToolCallParser | None = None) -> dict[str, Any]:
+        """One chat choice: a ``message`` (starting with ``form.chat_echo``), or in a stream
+        a ``delta``; with a ``parser`` (the completion's own, fed every delta in turn)
+        holding its tool calls."""
         message = _chat_message(completion, parser, stream)
         if stream:
             choice = {"index": index, "delta": message}
         else:
+            if form.chat_echo:
+                message["content"] = form.chat_echo + (message["content"] or "")
             choice = {"index": index, "message": {"role": "assistant", **message}}
         finish_reason = completion.finish_reason
         if finish_reason is not None and parser is not None and parser.num_tool_calls:
             finish_reason = "tool_calls"
-        choice |= {"logprobs": self._chat_logprobs(completion),
+        choice |= {"logprobs": self._chat_logprobs(completion, form.token_id_names),
                    "finish_reason": finish_reason,
                    "stop_reason": completion.stop_reason,
                    "weight_versions": completion.weight_versions}
-        if return_token_ids:
+        if form.return_token_ids:
             choice["token_ids"] = completion.token_ids
         return choice
 
-    def _completion_logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
-        if completion.logprobs is None:
+    def prompt_logprobs(self, output: RequestOutput, k: int) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` of ``output`` (asked with ``k``; None when not asked):
+        null for the first prompt token, then per position ``{token id as text: {"logprob",
+        "rank", "decoded_token"}}`` for the prompt token and the top k. Ranks count from 1
+        (the most likely); the prompt token's is null when it is not among the top k (the
+        engine keeps no rank beyond them)."""
+        entries = output.prompt_logprobs
+        if entries is None:
             return None
-        tokens = [self._token(t) for t in completion.token_ids]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-        top = None
-        if completion.top_logprobs is not None:
-            top = [{self._token(t): lp for t, lp in entry.items()}
-                   for entry in completion.top_logprobs]
-        return {"tokens": tokens, "token_logprobs": completion.logprobs,
+        return [None, *(self._ranked_entry(entry, token_id, k) for token_id, entry
+                        in zip(output.prompt_token_ids[1:], entries[1:]))]
+
+    def _ranked_entry(self, entry: dict[int, float], token_id: int, k: int
+                      ) -> dict[str, dict[str, Any]]:
+        # The top k are the entry but the prompt token, unless it is among them (then the
+        # entry holds k, or the whole vocabulary when smaller).
+        top = [t for t in entry if t != token_id or len(entry) <= k]
+        ranks = {t: rank for rank, t in enumerate(
+            sorted(top, key=entry.__getitem__, reverse=True), 1)}
+        return {str(t): {"logprob": logprob, "rank": ranks.get(t),
+                         "decoded_token": self._decoded([t])} for t, logprob in entry.items()}
+
+    def _echoed_prompt(self, output: RequestOutput) -> _Scored:
+        """The prompt as echoed: its text (given, or its tokens decoded) and its tokens,
+        each with its log-prob entry (the first, which nothing predicts, null)."""
+        token_ids = output.prompt_token_ids
+        text = output.prompt if output.prompt is not None else self._decoded(token_ids) or ""
+        entries = output.prompt_logprobs or [None] * len(token_ids)
+        logprobs = [None if entry is None else entry[token_id]
+                    for token_id, entry in zip(token_ids, entries)]
+        return _Scored(text, token_ids, logprobs, list(entries))
+
+    def _completion_logprobs(self, scored: _Scored, form: ChoiceForm,
+                             text_offset: int) -> dict[str, Any] | None:
+        if scored.logprobs is None:
+            return None
+        tokens = [self._token(t, form.token_id_names) for t in scored.token_ids]
+        offsets = list(itertools.accumulate(map(len, tokens), initial=text_offset))[:-1]
+        top = [None if entry is None else {
+            self._token(t, form.token_id_names): logprob
+            for t, logprob in itertools.islice(entry.items(), form.top_logprobs + 1)}
+            for entry in scored.entries]
+        return {"tokens": tokens, "token_logprobs": scored.logprobs,
                 "top_logprobs": top, "text_offset": offsets}
 
-    def _chat_logprobs(self, completion: CompletionOutput) -> dict[str, Any] | None:
+    def _chat_logprobs(self, completion: CompletionOutput,
+                       token_id_names: bool) -> dict[str, Any] | None:
         if completion.logprobs is None:
             return None
         tops = completion.top_logprobs or [{}] * len(completion.token_ids)
         return {"content": [
-            {**self._chat_token(token_id, logprob),
-             "top_logprobs": [self._chat_token(t, lp) for t, lp in top.items()]}
+            {**self._chat_token(token_id, logprob, token_id_names),
+             "top_logprobs": [self._chat_token(t, lp, token_id_names)
+                              for t, lp in top.items()]}
             for token_id, logprob, top in zip(completion.token_ids, completion.logprobs, tops)]}
 
-    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        token = self._token(token_id)
+    def _chat_token(self, token_id: int, logprob: float, token_id_names: bool
+                    ) -> dict[str, Any]:
+        token = self._token(token_id, token_id_names)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-    def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:
+    def _token(self, token_id: int, token_id_names: bool) -> str:
+        """A log-prob token's name: its text, or ``token_id:N`` when asked or untokenized."""
+        if token_id_names or self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def _decoded(self, token_ids: list[int]) -> str | None:
+        """The text of token ids, special tokens included (None without a tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
 
 def _chat_message(completion: CompletionOutput, parser: ToolCallParser | None,

@@ -1,7 +1,9 @@
-"""Tandem's RL routes: ``/v1/rollouts`` (``LLM.generate``'s shapes over HTTP) and vLLM's
-engine controls a trainer drives between steps: ``/reset_prefix_cache``, ``/sleep``,
-``/release_kv_cache_memory``, ``/wake_up``, ``/is_sleeping``, ``/pause``, ``/resume``,
-``/is_paused``, ``/server_info`` and ``/get_world_size``."""
+"""Tandem's RL routes: ``/v1/rollouts`` (``LLM.generate``'s shapes over HTTP) and the
+engine's state, read-only (``/is_sleeping``, ``/is_paused``, ``/server_info``,
+``/get_world_size``), under the API key; and vLLM's engine controls a trainer drives between
+steps (``/reset_prefix_cache``, ``/sleep``, ``/release_kv_cache_memory``, ``/wake_up``,
+``/pause``, ``/resume``), served only with ``enable_control_routes`` and under the control
+key (the guard, middleware.py, checks both)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,29 @@ from .protocol import RolloutRequest
 from .responses import json_safe
 from .state import TandemServer
 
+# The routes that control the engine, and their tag (their group in /openapi.json).
+CONTROL_PATHS = frozenset({"/reset_prefix_cache", "/sleep", "/release_kv_cache_memory",
+                           "/wake_up", "/pause", "/resume"})
+CONTROL_TAG = "engine control"
+
 
 def rl_routes(server: TandemServer) -> APIRouter:
-    """The router of the RL endpoints, answering from ``server``."""
+    """The router of the RL endpoints a generation client calls (rollouts, the engine's
+    state), answering from ``server``."""
     router = APIRouter()
-    for group in (_rollout_routes, _sleep_routes, _pause_routes, _info_routes):
+    for group in (_rollout_routes, _info_routes):
+        router.include_router(group(server))
+    return router
+
+
+def control_routes(server: TandemServer) -> APIRouter:
+    """The router of the endpoints that control ``server``'s engine (``CONTROL_PATHS``: sleep,
+    wake up, pause, resume, reset the prefix cache), tagged ``CONTROL_TAG``; empty unless
+    ``server.config.enable_control_routes``."""
+    router = APIRouter(tags=[CONTROL_TAG])
+    if not server.config.enable_control_routes:
+        return router
+    for group in (_sleep_routes, _pause_routes):
         router.include_router(group(server))
     return router
 
@@ -43,7 +63,7 @@ def _rollout_routes(server: TandemServer) -> APIRouter:
 
 def _sleep_routes(server: TandemServer) -> APIRouter:
     router = APIRouter()
-    engine, async_engine = server.engine, server.async_engine
+    async_engine = server.async_engine
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, Any]:
@@ -67,10 +87,6 @@ def _sleep_routes(server: TandemServer) -> APIRouter:
         await async_engine.call("wake_up", request.query_params.getlist("tags") or None)
         return {}
 
-    @router.get("/is_sleeping")
-    async def is_sleeping() -> dict[str, Any]:
-        return {"is_sleeping": engine.is_sleeping}
-
     return router
 
 
@@ -88,16 +104,20 @@ def _pause_routes(server: TandemServer) -> APIRouter:
         async_engine.resume()
         return {}
 
-    @router.get("/is_paused")
-    async def is_paused() -> dict[str, Any]:
-        return {"is_paused": async_engine.is_paused}
-
     return router
 
 
 def _info_routes(server: TandemServer) -> APIRouter:
     router = APIRouter()
-    engine = server.engine
+    engine, async_engine = server.engine, server.async_engine
+
+    @router.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, Any]:
+        return {"is_sleeping": engine.is_sleeping}
+
+    @router.get("/is_paused")
+    async def is_paused() -> dict[str, Any]:
+        return {"is_paused": async_engine.is_paused}
 
     @router.get("/server_info")
     async def server_info() -> dict[str, Any]:
@@ -106,12 +126,18 @@ def _info_routes(server: TandemServer) -> APIRouter:
         return {"model": server.model_name, "max_model_len": engine.max_model_len,
                 "weight_version": engine.weight_version, "world_size": 1,
                 "engine_config": engine_config,
-                "server_config": {k: v for k, v in asdict(server.config).items()
-                                  if k != "api_key"}
-                | {"api_key_set": server.config.api_key is not None}}
+                "server_config": _public_server_config(server)}
 
     @router.get("/get_world_size")
     async def get_world_size() -> dict[str, Any]:
         return {"world_size": 1}
 
     return router
+
+
+def _public_server_config(server: TandemServer) -> dict[str, Any]:
+    """The server's configuration without its keys: whether each is set instead."""
+    config = asdict(server.config)
+    keys = ("api_key", "control_api_key")
+    return ({k: v for k, v in config.items() if k not in keys}
+            | {f"{key}_set": config[key] is not None for key in keys})

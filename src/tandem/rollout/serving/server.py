@@ -1,15 +1,17 @@
 """``tandem serve``: an OpenAI-compatible HTTP server with RL and weight-transfer endpoints.
 
-``build_app`` puts the pieces together: the guard (API key, body size) around every
-request, the error handlers, and three groups of routes sharing one ``TandemServer``:
-``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/metrics``
-(``openai_routes``); ``/v1/rollouts`` (Tandem's: ``LLM.generate``'s shapes over HTTP),
-``/reset_prefix_cache``, ``/sleep``, ``/release_kv_cache_memory``, ``/wake_up``,
-``/is_sleeping``, ``/pause``, ``/resume``, ``/is_paused``, ``/server_info``,
-``/get_world_size`` (``rl_routes``); and, with ``enable_weight_transfer``,
-``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
-``/finish_weight_update`` (``weight_transfer_routes``). Its ``/openapi.json`` says what it
-answers (openapi.py).
+``build_app`` puts the pieces together: the guard (which key each path wants, body size)
+around every request, the error handlers, and the groups of routes sharing one
+``TandemServer``: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/health``, ``/metrics`` (``openai_routes``); ``/tokenize``, ``/detokenize``
+(``tokenize_routes``); ``/v1/rollouts`` (Tandem's:
+``LLM.generate``'s shapes over HTTP), ``/is_sleeping``, ``/is_paused``, ``/server_info``,
+``/get_world_size`` (``rl_routes``); and the routes that control the engine, under the
+control key: with ``enable_control_routes``, ``/reset_prefix_cache``, ``/sleep``,
+``/release_kv_cache_memory``, ``/wake_up``, ``/pause``, ``/resume`` (``control_routes``),
+with ``enable_weight_transfer``, ``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights``, ``/finish_weight_update`` (``weight_transfer_routes``). Its
+``/openapi.json`` says what it answers (openapi.py).
 
 ``serve`` shuts down gracefully on SIGTERM: uvicorn stops listening, the loop refuses new
 requests (503) and gives the running ones ``shutdown_timeout`` seconds, then aborts the rest
@@ -19,6 +21,7 @@ requests (503) and gives the running ones ``shutdown_timeout`` seconds, then abo
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -35,12 +38,15 @@ from .errors import add_error_handlers
 from .middleware import GuardMiddleware
 from .openai_routes import openai_routes
 from .openapi import install_openapi
-from .rl_routes import rl_routes
+from .rl_routes import CONTROL_PATHS, control_routes, rl_routes
 from .state import TandemServer
-from .weight_transfer_routes import weight_transfer_routes
+from .tokenize_routes import tokenize_routes
+from .weight_transfer_routes import WEIGHT_TRANSFER_PATHS, weight_transfer_routes
 
 # uvicorn's own deadline, past the drain's: the aborted requests' last bytes get written.
 SHUTDOWN_MARGIN_SECONDS = 5.0
+
+logger = logging.getLogger(__name__)
 
 
 def build_app(engine: LLMEngine | EngineConfig, config: ServerConfig) -> FastAPI:
@@ -61,14 +67,39 @@ def build_app(engine: LLMEngine | EngineConfig, config: ServerConfig) -> FastAPI
 
     app = FastAPI(title="Tandem", lifespan=lifespan)
     app.state.server = server
-    open_paths = {"/health"} | (set() if config.metrics_require_api_key else {"/metrics"})
-    app.add_middleware(GuardMiddleware, api_key=config.api_key,
-                       max_body_bytes=config.max_body_bytes, open_paths=frozenset(open_paths))
+    _guard(app, config)
     add_error_handlers(app)
-    for routes in (openai_routes, rl_routes, weight_transfer_routes):
+    app.include_router(control_routes(server))
+    for routes in (openai_routes, tokenize_routes, rl_routes, weight_transfer_routes):
         app.include_router(routes(server))
-    install_openapi(app, config.api_key is not None, open_paths)
     return app
+
+
+def _guard(app: FastAPI, config: ServerConfig) -> None:
+    """Put the guard around ``app`` and have its schema say which key each path wants: none
+    for /health (and /metrics unless ``metrics_require_api_key``), the control key for the
+    served routes that control the engine, the API key for the rest. A control group not
+    served answers 404 naming the option that serves it."""
+    open_paths = frozenset({"/health"} | (set() if config.metrics_require_api_key
+                                          else {"/metrics"}))
+    control_paths, unserved_paths = set(), {}
+    for paths, served, option in (
+            (CONTROL_PATHS, config.enable_control_routes, "--enable-control-routes"),
+            (WEIGHT_TRANSFER_PATHS, config.enable_weight_transfer, "--enable-weight-transfer")):
+        if served:
+            control_paths |= paths
+        else:
+            unserved_paths |= dict.fromkeys(paths, option)
+    if control_paths and config.control_api_key is None:
+        logger.warning("The engine-control routes are served without --control-api-key (on "
+                       "loopback only): any client of this machine holding --api-key (or any, "
+                       "without it) can sleep, pause or re-weight the engine.")
+    app.add_middleware(GuardMiddleware, api_key=config.api_key,
+                       max_body_bytes=config.max_body_bytes, open_paths=open_paths,
+                       control_api_key=config.control_api_key,
+                       control_paths=frozenset(control_paths), unserved_paths=unserved_paths)
+    install_openapi(app, config.api_key is not None, open_paths, frozenset(control_paths),
+                    control_guarded=config.control_api_key is not None)
 
 
 class DrainingServer(uvicorn.Server):

@@ -11,6 +11,7 @@ import gc
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -23,7 +24,7 @@ from tandem.kernels.cpu_threads import cpus_to_bind, release_team
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..input_processor import ProcessedPrompt, Prompt
-from ..outputs import RequestOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from ..tool_calls import ToolCallParser
 from .async_engine import AsyncLLMEngine, TrackedRequest
@@ -32,7 +33,15 @@ from .core_client import open_core
 from .errors import APIError, stream_error
 from .metrics import ServerMetrics
 from .protocol import SamplingRequest
-from .responses import DeltaTracker, ResponseBuilder, json_safe, sse_event, usage
+from .responses import (
+    ChoiceForm,
+    DeltaTracker,
+    ResponseBuilder,
+    json_safe,
+    nothing_generated,
+    sse_event,
+    usage,
+)
 from .weight_transfer import WeightTransfer
 
 T = TypeVar("T")
@@ -170,58 +179,111 @@ class TandemServer:
     async def openai_response(self, request: Request, body: SamplingRequest,
                               prompts: list[ProcessedPrompt], params: SamplingParams,
                               chat: bool, tool_calls: bool = False) -> Response:
-        """Generate and answer as OpenAI: one JSON body, or server-sent events. With
-        ``tool_calls`` each chat completion's text is parsed into content and tool calls."""
+        """Generate and answer as OpenAI: one JSON body, or server-sent events, the choices
+        written as the body's ``choice_form`` says (echo, token names). With ``tool_calls``
+        each chat completion's text is parsed into content and tool calls."""
         prefix = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        form = body.choice_form(params)
         if body.stream:
             tracked = await self.async_engine.add_requests(
                 prompts, [params] * len(prompts), True, prefix, self.timeout(body.timeout))
             return StreamingResponse(
-                self._events(body, tracked, params, prefix, chat, tool_calls),
+                self._events(body, tracked, params, form, prefix, chat, tool_calls),
                 media_type="text/event-stream")
         outputs = await self.generate(request, prompts, [params] * len(prompts), prefix,
                                       body.timeout)
-        choices = [self._choice(body, output, completion, i * params.n, chat, stream=False,
-                                parser=ToolCallParser() if tool_calls else None)
-                   for i, output in enumerate(outputs) for completion in output.outputs]
+        if form.prompt_only:
+            outputs = [nothing_generated(output) for output in outputs]
+        choices = [choice for i, output in enumerate(outputs) for choice in self._choices(
+            output, i * params.n, params, form, chat, tool_calls)]
         envelope = self.responses.envelope(
             prefix, "chat.completion" if chat else "text_completion", int(time.time()),
             choices, max(o.weight_version for o in outputs))
         if chat and body.return_token_ids:
             envelope["prompt_token_ids"] = outputs[0].prompt_token_ids
+        if chat and params.prompt_logprobs is not None:  # vLLM's: beside the choices
+            envelope["prompt_logprobs"] = self.responses.prompt_logprobs(
+                outputs[0], params.prompt_logprobs)
         return JSONResponse(json_safe(envelope | {"usage": usage(outputs)}))
 
-    def _choice(self, body: SamplingRequest, output: RequestOutput, completion: Any,
-                offset: int, chat: bool, stream: bool,
-                parser: ToolCallParser | None = None) -> dict[str, Any]:
-        index = offset + completion.index
+    def _choices(self, output: RequestOutput, offset: int, params: SamplingParams,
+                 form: ChoiceForm, chat: bool, tool_calls: bool) -> list[dict[str, Any]]:
+        """The whole answer's choices of one prompt (its completions', numbered from
+        ``offset``); a completion choice carries the prompt's log-probs when scored."""
         if chat:
-            return self.responses.chat_choice(index, completion, stream, body.return_token_ids,
-                                              parser)
-        return self.responses.completion_choice(
-            index, completion, output.prompt_token_ids, body.return_token_ids,
-            None if stream else output.prompt_logprobs)
+            return [self.responses.chat_choice(offset + completion.index, completion, False,
+                                               form, ToolCallParser() if tool_calls else None)
+                    for completion in output.outputs]
+        prompt_logprobs = self.responses.prompt_logprobs(output, params.prompt_logprobs or 0)
+        return [self.responses.completion_choice(offset + completion.index, output, completion,
+                                                 form, form.echo,
+                                                 prompt_logprobs=prompt_logprobs)
+                for completion in output.outputs]
+
+    def _streamed_choice(self, output: RequestOutput, delta: CompletionOutput, offset: int,
+                         form: ChoiceForm, sent: dict[int, int],
+                         parser: ToolCallParser | None, chat: bool) -> dict[str, Any]:
+        """The choice of one streamed delta; ``sent`` holds, per completion, the characters
+        of its text already sent (a completion's first chunk echoes the prompt)."""
+        index = offset + delta.index
+        if chat:
+            return self.responses.chat_choice(index, delta, True, form, parser)
+        choice = self.responses.completion_choice(
+            index, output, delta, form, form.echo and delta.index not in sent,
+            text_offset=sent.get(delta.index, 0))
+        sent[delta.index] = sent.get(delta.index, 0) + len(choice["text"])
+        return choice
+
+    async def _streamed(self, tracked: TrackedRequest, params: SamplingParams,
+                        form: ChoiceForm) -> AsyncIterator[RequestOutput]:
+        """A streamed request's outputs as its chunks show them: nothing generated for
+        ``form.prompt_only``; when the prompt is echoed with log-probs, its log-probs
+        (a snapshot carries none: they are asked of the engine once, after the prefill)."""
+        prompt_logprobs = None
+        async for output in self.async_engine.outputs(tracked):
+            if form.echo and params.prompt_logprobs is not None and not output.finished:
+                prompt_logprobs = prompt_logprobs or await self._prompt_logprobs(
+                    tracked.request_id)
+                if prompt_logprobs is None:
+                    continue  # it finished meanwhile: its final output carries them
+                output = replace(output, prompt_logprobs=prompt_logprobs)
+            yield nothing_generated(output) if form.prompt_only else output
+
+    async def _prompt_logprobs(self, request_id: str) -> list | None:
+        """A running request's prompt log-probs (None once it finished)."""
+        try:
+            return (await self.async_engine.call("request_output", request_id)).prompt_logprobs
+        except KeyError:
+            return None
+
+    def _opening(self, prefix: str, created: int, n: int, delta: dict[str, str]) -> str:
+        """A chat stream's chunk giving each of its ``n`` choices ``delta``."""
+        return sse_event(self.responses.envelope(prefix, "chat.completion.chunk", created, [
+            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+            for i in range(n)], self.engine.weight_version))
 
     async def _events(self, body: SamplingRequest, tracked: list[TrackedRequest],
-                      params: SamplingParams, prefix: str, chat: bool,
+                      params: SamplingParams, form: ChoiceForm, prefix: str, chat: bool,
                       tool_calls: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
         finals: list[RequestOutput] = []
         try:
             if chat:
-                yield sse_event(self.responses.envelope(prefix, obj, created, [
-                    {"index": i, "delta": {"role": "assistant", "content": ""},
-                     "logprobs": None, "finish_reason": None} for i in range(params.n)],
-                    self.engine.weight_version))
+                yield self._opening(prefix, created, params.n,
+                                    {"role": "assistant", "content": ""})
+                if form.chat_echo:  # vLLM's: the echoed text in a chunk of its own
+                    yield self._opening(prefix, created, params.n, {"content": form.chat_echo})
             hold_back = max((len(stop) for stop in params.stop), default=1) - 1
             for i, tracked_request in enumerate(tracked):
                 deltas = DeltaTracker(hold_back)
                 parsers = collections.defaultdict(ToolCallParser)
-                async for output in self.async_engine.outputs(tracked_request):
+                sent: dict[int, int] = {}
+                async for output in self._streamed(tracked_request, params, form):
                     for delta in deltas.deltas(output):
-                        choice = self._choice(body, output, delta, i * params.n, chat, True,
-                                              parsers[delta.index] if tool_calls else None)
+                        choice = self._streamed_choice(
+                            output, delta, i * params.n, form, sent,
+                            parsers[delta.index] if tool_calls else None, chat)
                         yield sse_event(self.responses.envelope(prefix, obj, created, [choice],
                                                              output.weight_version))
                     if output.finished:

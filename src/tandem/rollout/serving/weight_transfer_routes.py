@@ -1,32 +1,36 @@
-"""vLLM's weight-transfer routes, served with ``enable_weight_transfer`` (else 403):
-``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
-``/finish_weight_update``, driving the server's ``WeightTransfer``.
+"""vLLM's weight-transfer routes: ``/init_weight_transfer_engine``, ``/start_weight_update``,
+``/update_weights`` and ``/finish_weight_update``, driving the server's ``WeightTransfer``.
 
 Whoever may call them may replace the served weights, and makes the server connect to the
-address an init names: an init is refused (403) unless that address is among
-``weight_transfer_allowed_hosts``, before any connection is attempted.
+address an init names. So they are served only with ``enable_weight_transfer`` (else the
+guard, middleware.py, answers 404 naming it), under the control key (the guard checks it),
+and an init is refused (403) unless that address is among ``weight_transfer_allowed_hosts``,
+before any connection is attempted.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 
 from .allowed_hosts import AllowedHosts
 from .errors import APIError
 from .protocol import InitWeightTransferRequest, StartWeightUpdateRequest, UpdateWeightsRequest
 from .state import TandemServer
 
+# These routes, and their tag (their group in /openapi.json).
+WEIGHT_TRANSFER_PATHS = frozenset({"/init_weight_transfer_engine", "/start_weight_update",
+                                   "/update_weights", "/finish_weight_update"})
+WEIGHT_TRANSFER_TAG = "weight transfer"
+
 
 def weight_transfer_routes(server: TandemServer) -> APIRouter:
-    """The router of the weight-transfer endpoints; each answers 403 while disabled."""
-    def enabled() -> None:
-        if not server.config.enable_weight_transfer:
-            raise APIError(403, "weight transfer is disabled on this server: start it with "
-                           "--enable-weight-transfer.", code="weight_transfer_disabled")
-
-    router = APIRouter(dependencies=[Depends(enabled)])
+    """The router of the weight-transfer endpoints (``WEIGHT_TRANSFER_PATHS``, tagged
+    ``WEIGHT_TRANSFER_TAG``); empty unless ``server.config.enable_weight_transfer``."""
+    router = APIRouter(tags=[WEIGHT_TRANSFER_TAG])
+    if not server.config.enable_weight_transfer:
+        return router
     transfer = server.weight_transfer
     allowed_hosts = AllowedHosts.parse(server.config.weight_transfer_allowed_hosts)
 
