@@ -1,4 +1,5 @@
-"""LoRA adapters merged into a running engine: equal to peft's merge, no drift, atomic faults."""
+"""LoRA adapters merged into a running engine: equal to peft's merge, no drift, atomic faults;
+on packed modules (Phi-3's qkv_proj, gate_up_proj) split into the engine's parts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,14 @@ from transformers import AutoModelForCausalLM
 
 from tandem.rollout import LLM, SamplingParams, WeightUpdateError
 from tandem.sync import LoraSpec, LoraSync, peft_adapter_state
+from tandem.trainers.policy import completion_logprobs, token_batch
+from tandem.trainers.trainer import Trainer
+
+from .test_exact_logprobs import assert_exact, sampled
+from .test_models import check_prompt_logprobs, hf_greedy
+from .test_phi3 import GEOMETRY, HEAD_DIM, greedy, phi3_dir  # noqa: F401 - a fixture
+from .test_phi3 import PROMPTS as PHI3_PROMPTS
+from .test_trainer import make_config, target_token  # noqa: F401 - a fixture
 
 peft = pytest.importorskip("peft")
 
@@ -238,3 +247,83 @@ def test_runtime_adapter_equals_merged_model_and_can_be_removed(llama_dir, tmp_p
     with pytest.raises(WeightUpdateError, match="NaN"):
         sync.update(bad, spec)
     assert llm.stats()["weight_version"] == 2
+
+
+# Phi-3: PEFT adapters on the packed qkv_proj (q, k, v of unequal rows: 6 query heads, 2 KV
+# heads) and gate_up_proj, split by the engine into its parts.
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+QKV = "model.layers.1.self_attn.qkv_proj"
+
+
+def phi3_lora_model(folder, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """The tiny Phi-3 wrapped by peft with a random (non-zero) adapter on its packed and
+    plain projections."""
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=PHI3_TARGETS,
+                             init_lora_weights=False)
+    return peft.get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+def test_a_peft_adapter_on_packed_modules_equals_peft_merged_model(phi3_dir, mode):  # noqa: F811
+    llm = LLM(str(phi3_dir("phi3")))
+    before = greedy(llm)
+    model = phi3_lora_model(phi3_dir("phi3"))
+    tensors, spec = peft_adapter_state(model)
+    assert f"base_model.model.{QKV}.lora_B.weight" in tensors
+    assert LoraSync(llm, mode=mode).update(tensors, spec) == 1
+    merged = model.merge_and_unload()
+    assert greedy(llm) == [hf_greedy(merged, prompt, 12) for prompt in PHI3_PROMPTS] != before
+    check_prompt_logprobs(llm, merged, PHI3_PROMPTS, k=3)
+    if mode == "merge":  # peft's packed merge in float32, each part's rows bit for bit
+        weights = llm.engine.weight_parameters()
+        for name, tensor in merged.state_dict().items():
+            for part, expected in llm.engine.unalias(name, tensor) or [(name, tensor)]:
+                assert torch.equal(weights[part], expected), part
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_merged_adapter_on_packed_modules_is_exact(phi3_dir, dtype):  # noqa: F811
+    # The trainer's exact forward merges the packed matrix whole; the engine each part from
+    # its rows of the same product.
+    llm = LLM(str(phi3_dir("phi3")), max_model_len=128, dtype=dtype)
+    model = phi3_lora_model(phi3_dir("phi3"), getattr(torch, dtype), seed=1)
+    LoraSync(llm).update(*peft_adapter_state(model))
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=2, logprobs=0, n=2)
+    prompts, completions, sampler_logprobs, _ = sampled(llm, params)
+    batch = token_batch(prompts, completions, 0)
+    logprobs, _, _ = completion_logprobs(llm.exact_forward(model), batch, 1.0)
+    assert_exact(logprobs, batch.completion_mask, sampler_logprobs)
+
+
+@pytest.mark.parametrize("mode", ["merge", "runtime"])
+@pytest.mark.parametrize("rows", [-1, 1], ids=["a row short", "a row over"])
+def test_a_packed_adapter_of_the_wrong_rows_is_refused_naming_the_module(phi3_dir,  # noqa: F811
+                                                                         mode, rows):
+    llm = LLM(str(phi3_dir("phi3")))
+    sync = LoraSync(llm, mode=mode)
+    tensors, spec = peft_adapter_state(phi3_lora_model(phi3_dir("phi3"), seed=2))
+    sync.update(tensors, spec)
+    before = greedy(llm)
+    name = f"base_model.model.{QKV}.lora_B.weight"
+    packed_rows = (6 + 2 + 2) * HEAD_DIM
+    wrong = torch.randn(packed_rows + rows, spec.r)
+    message = (rf"{QKV}.weight' makes a \[{packed_rows + rows}, {GEOMETRY['hidden_size']}\] "
+               rf"change, the engine's weight is \[{packed_rows}, {GEOMETRY['hidden_size']}\]")
+    with pytest.raises(WeightUpdateError, match=message):
+        sync.update({**tensors, name: wrong}, spec)
+    assert llm.stats()["weight_version"] == 1
+    assert greedy(llm) == before
+
+
+def test_lora_training_of_phi3_packed_modules_stays_exact(phi3_dir, tmp_path,  # noqa: F811
+                                                          target_token):  # noqa: F811
+    config = make_config(phi3_dir("phi3"), tmp_path, target_token, steps=2)
+    config.lora.enabled = True
+    config.lora.r = 4
+    trainer = Trainer(config)
+    assert set(trainer.policy.model.peft_config["default"].target_modules) == set(PHI3_TARGETS)
+    history = [trainer.train_step() for _ in range(2)]
+    assert max(m["sampler_logprob_diff_max"] for m in history) == 0.0
+    assert trainer.llm.weight_version == 2

@@ -20,15 +20,24 @@ Run-time mode (``LoraSync(llm, mode="runtime")``) leaves the weights alone: the 
 ``scale · (x A^T) B^T`` in each targeted layer, and each update gets a new LoRA id in the
 prefix-cache key. Its output equals the merged model's within float tolerance.
 
+An adapter on a packed module (Phi-3's ``qkv_proj``, ``gate_up_proj``: B ``[sum of the
+parts' rows, r]``) becomes one adapter per part the engine's weight spec names (``q_proj``,
+...): A shared, each part its rows of B, by the engine's own split of the packed name
+(``unalias``). Each part merges its rows of the packed product ``B @ A``, not the product
+of its own rows of B: a BLAS picks its kernel by the shape, and a product of fewer rows can
+differ in the last bit, where the trainer's merge (peft's, the exact forward's) multiplies the
+packed matrix whole.
+
 peft is imported only by ``peft_adapter_state``; the rest needs torch alone.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -129,16 +138,31 @@ def as_lora_spec(config: LoraSpec | Mapping[str, Any] | Any) -> LoraSpec:
 @dataclass(frozen=True, slots=True)
 class LoraFactors:
     """One module's adapter: float32 copies of ``lora_A`` ``[r, in]`` and ``lora_B``
-    ``[out, r]``, and the scale on their product."""
+    ``[out, r]``, and the scale on their product; for a part of a packed module, the packed
+    module's factors and the part's rows of them (``rows``, start and stop)."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scale: float
+    rows: tuple[int, int] | None = None
+
+    @property
+    def part_b(self) -> torch.Tensor:
+        """The B of this module (a packed module's part: its rows of the packed B)."""
+        return self.lora_b if self.rows is None else self.lora_b[slice(*self.rows)]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The shape ``[out, in]`` of the change to this module's weight."""
+        return self.part_b.shape[0], self.lora_a.shape[1]
 
     def merged(self, base: torch.Tensor) -> torch.Tensor:
-        """``base + scale · (B @ A)`` in float32, on ``base``'s device."""
+        """``base + scale · (B @ A)`` in float32, on ``base``'s device (a part's rows of the
+        packed product, bit for bit the packed merge's)."""
         lora_a, lora_b = self.lora_a.to(base.device), self.lora_b.to(base.device)
-        return base.float() + (lora_b @ lora_a) * self.scale
+        product = lora_b @ lora_a
+        return base.float() + (product if self.rows is None else
+                               product[slice(*self.rows)]) * self.scale
 
 
 def adapter_factors(named_tensors: NamedTensors, spec: LoraSpec) -> dict[str, LoraFactors]:
@@ -215,8 +239,8 @@ class LoraSync:
         if mode not in ("merge", "runtime"):
             raise ValueError(f"mode={mode!r} is invalid: use 'merge' or 'runtime'.")
         engine: LoraTarget = getattr(llm_or_engine, "engine", llm_or_engine)
-        missing = [name for name in ("weight_parameters", "commit_weights", "commit_lora")
-                   if not hasattr(engine, name)]
+        missing = [name for name in ("weight_parameters", "commit_weights", "commit_lora",
+                                     "unalias") if not hasattr(engine, name)]
         if missing:
             raise TypeError(f"LoraSync needs an LLM or an engine with {', '.join(missing)} "
                             f"(see LoraTarget); {type(engine).__name__} lacks them.")
@@ -237,11 +261,11 @@ class LoraSync:
         Raises:
             ValueError: for an invalid config or a version not above the engine's.
             WeightUpdateError: for a refused adapter (see ``adapter_factors``), a module the
-                engine lacks or whose weight does not match ``[out, in]``, a non-finite merged
-                weight, or weights changed outside ``LoraSync``; the engine keeps serving its
-                previous weights.
+                engine lacks or whose weight (a packed module's: its parts' together) does
+                not match ``[out, in]``, a non-finite merged weight, or weights changed outside
+                ``LoraSync``; the engine keeps serving its previous weights.
         """
-        factors = adapter_factors(adapter_named_tensors, as_lora_spec(config))
+        factors = self._by_part(adapter_factors(adapter_named_tensors, as_lora_spec(config)))
         if self.mode == "runtime":
             return self._update_runtime(factors, version)
         self._check_owner()
@@ -250,7 +274,7 @@ class LoraSync:
         for weight, module_factors in factors.items():
             if weight not in bases:
                 bases[weight] = self._base_copy(weight, parameters)
-            _check_fits(weight, module_factors, bases[weight])
+            _check_fits(weight, module_factors, bases[weight].shape)
         update = WeightUpdate(self.engine, version, full=False)
         update.load(_merged_weights(bases, factors))
         self._committed(update, bases, factors)
@@ -261,15 +285,35 @@ class LoraSync:
         for weight, module_factors in factors.items():
             if weight not in parameters:
                 raise WeightUpdateError(f"unknown module: the engine has no weight {weight!r}.")
-            _check_fits(weight, module_factors, parameters[weight])
+            _check_fits(weight, module_factors, parameters[weight].shape)
         check_all_finite((weight, factor) for weight, module_factors in factors.items()
-                         for factor in (module_factors.lora_a, module_factors.lora_b))
+                         for factor in (module_factors.lora_a, module_factors.part_b))
         version = next_version(self.engine, version)
-        self.engine.commit_lora({w: (f.lora_a, f.lora_b, f.scale) for w, f in factors.items()},
+        self.engine.commit_lora({w: (f.lora_a, f.part_b, f.scale) for w, f in factors.items()},
                                 version, self.lora_id + 1)
         self.lora_id += 1
         self.weight_version = version
         return version
+
+    def _by_part(self, factors: dict[str, LoraFactors]) -> dict[str, LoraFactors]:
+        """``factors`` with each adapter on a packed module (a name the engine does not hold
+        but splits into weights it holds, ``unalias``) as one adapter per part.
+
+        Raises:
+            WeightUpdateError: for a packed module's adapter that does not match its parts'
+                weights together.
+        """
+        parameters = self.engine.weight_parameters()
+        by_part = {}
+        for weight, module_factors in factors.items():
+            parts = None if weight in parameters else \
+                self.engine.unalias(weight, module_factors.lora_b)
+            if parts and all(part in parameters for part, _ in parts):
+                by_part.update(_part_factors(weight, module_factors, {
+                    part: parameters[part].shape for part, _ in parts}))
+            else:
+                by_part[weight] = module_factors
+        return by_part
 
     def set_base(self, named_tensors: NamedTensors, version: int | None = None,
                  full: bool = True) -> int:
@@ -335,11 +379,26 @@ class LoraSync:
         self.factors = factors
 
 
-def _check_fits(weight: str, factors: LoraFactors, base: torch.Tensor) -> None:
-    shape = (factors.lora_b.shape[0], factors.lora_a.shape[1])
-    if shape != tuple(base.shape):
-        raise WeightUpdateError(f"the adapter of {weight!r} makes a {list(shape)} change, the "
-                                f"engine's weight is {list(base.shape)}.")
+def _check_fits(weight: str, factors: LoraFactors, shape: Iterable[int]) -> None:
+    if factors.shape != tuple(shape):
+        raise WeightUpdateError(f"the adapter of {weight!r} makes a {list(factors.shape)} "
+                                f"change, the engine's weight is {list(shape)}.")
+
+
+def _part_factors(weight: str, factors: LoraFactors, part_shapes: dict[str, torch.Size]
+                  ) -> dict[str, LoraFactors]:
+    """A packed module's adapter as one per part (``part_shapes``: each part's weight shape,
+    stacked in this order along the packed weight's rows): A shared, each part its rows of
+    B.
+
+    Raises:
+        WeightUpdateError: for factors that do not match the parts' weights together.
+    """
+    rows = [shape[0] for shape in part_shapes.values()]
+    _check_fits(weight, factors, (sum(rows), next(iter(part_shapes.values()))[1]))
+    starts = itertools.accumulate(rows, initial=0)
+    return {part: replace(factors, rows=(start, start + count))
+            for part, start, count in zip(part_shapes, starts, rows)}
 
 
 def _merged_weights(bases: dict[str, torch.Tensor], factors: dict[str, LoraFactors]

@@ -14,10 +14,11 @@ tensors to the same packed parameters by name.
 LongRoPE and the partial rotary of Phi-4-mini are ``rotary.py``'s: the short or long
 factors are chosen once per engine by ``max_model_len`` (see there).
 
-Not yet: a PEFT adapter on the packed modules (``qkv_proj``, ``gate_up_proj``, as
-``lora_targets`` names them for a trainer's transformers model) is refused by ``LoraSync``,
-which would have to split it into the parts (B's rows per part, A shared); run-time
-adapters by the parts' names work.
+A PEFT adapter on the packed modules (``qkv_proj``, ``gate_up_proj``, as ``lora_targets``
+names them for a trainer's transformers model) is split into the parts by ``LoraSync``
+(A shared, each part its rows of B, merged as rows of the one packed product, as PEFT
+merges). Not yet: run-time adapters under exact log-probs (``ExactForward`` binds one
+Hugging Face module per layer; merge mode is exact).
 """
 
 from __future__ import annotations
