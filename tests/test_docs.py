@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"(<!-- not run: [^>]*-->\n)?```python\n(.*?)```", re.S)
 SERVED = "http://127.0.0.1:8000"  # what the examples call a running `tandem serve`
+LM_EVAL_SECTION = "## Evaluate a checkpoint with lm-eval"
+CHECKPOINT = "runs/grpo_arith/checkpoint-20"  # what the lm-eval example serves
 
 
 def examples() -> list:
@@ -54,3 +57,24 @@ def test_the_example_runs(code):
                        "--max-model-len", "512") as (process, url):
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
         exec(compile(code.replace(SERVED, url), "<example>", "exec"), {})
+
+
+def test_the_lm_eval_example_runs(llama_dir):
+    # serving.md's lm-eval section: its `tandem serve` line (on a free port) with the tiny
+    # Llama as the checkpoint, then its lm-eval commands as written, against that server.
+    section = (ROOT / "docs" / "guides" / "serving.md").read_text().split(LM_EVAL_SECTION)[1]
+    serve, evaluate = re.findall(r"```bash\n(.*?)```", section, re.S)
+    command = shlex.split(serve.replace(CHECKPOINT, str(llama_dir)))
+    assert command[:3] == ["tandem", "serve", str(llama_dir)]
+    port = command.index("--port")
+    assert command[port + 1] == SERVED.rsplit(":", 1)[1]
+    with serve_command(llama_dir, *command[3:port], *command[port + 2:]) as (process, url):
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c",
+             evaluate.replace(CHECKPOINT, str(llama_dir)).replace(SERVED, url)],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+            env=os.environ | {"PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    for task in ("tandem_arith_choice", "tandem_arith_gen"):
+        assert task in result.stdout

@@ -223,3 +223,18 @@ def test_tokenize_routes_are_documented_with_their_bodies(served):
             "continue_final_message", "return_token_strs"} <= set(properties)
     chat = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"chat_template_kwargs", "continue_final_message", "add_special_tokens"} <= set(chat)
+
+
+def test_tokenize_and_detokenize_want_no_key_as_vllms_while_completions_do(served, tokenizer):
+    """vLLM's server guards its /v1 routes only, and its benchmark client calls /tokenize
+    without a key: on a keyed server the two answer without one, generation does not."""
+    url, _ = served
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "2+3"}, timeout=60)
+    assert tokens.status_code == 200
+    assert tokens.json()["tokens"] == tokenizer("2+3")["input_ids"]
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens.json()["tokens"]},
+                      timeout=60)
+    assert text.status_code == 200
+    unkeyed = httpx.post(f"{url}/v1/completions", json={"prompt": "2+3", "max_tokens": 1},
+                         timeout=60)
+    assert unkeyed.status_code == 401

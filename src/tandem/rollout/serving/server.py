@@ -77,11 +77,13 @@ def build_app(engine: LLMEngine | EngineConfig, config: ServerConfig) -> FastAPI
 
 def _guard(app: FastAPI, config: ServerConfig) -> None:
     """Put the guard around ``app`` and have its schema say which key each path wants: none
-    for /health (and /metrics unless ``metrics_require_api_key``), the control key for the
-    served routes that control the engine, the API key for the rest. A control group not
-    served answers 404 naming the option that serves it."""
-    open_paths = frozenset({"/health"} | (set() if config.metrics_require_api_key
-                                          else {"/metrics"}))
+    for /health, /tokenize and /detokenize (and /metrics unless ``metrics_require_api_key``),
+    as vLLM's server guards only its /v1 routes (its benchmark client calls /tokenize
+    without a key), the control key for the served routes that control the engine, the API
+    key for the rest. A control group not served answers 404 naming the option that serves
+    it."""
+    open_paths = frozenset({"/health", "/tokenize", "/detokenize"}
+                           | (set() if config.metrics_require_api_key else {"/metrics"}))
     control_paths, unserved_paths = set(), {}
     for paths, served, option in (
             (CONTROL_PATHS, config.enable_control_routes, "--enable-control-routes"),
