@@ -79,7 +79,13 @@ def test_gradients_match_autograd_through_transformers(llama_dir, kv_cache_dtype
     attention, tolerance = ("sdpa", 1e-4) if kv_cache_dtype == "auto" else (FP8_KV_SDPA, 2e-3)
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32,
                                                  attn_implementation=attention)
-    batch = token_batch(prompts, completions, 0)
+    assert_gradients_match(llm, model, token_batch(prompts, completions, 0), tolerance)
+
+
+def assert_gradients_match(llm: LLM, model, batch, tolerance: float) -> None:
+    """The completions' log-probs of ``batch`` at temperature 0.8, summed, give every
+    parameter of ``model`` the same gradient through ``llm``'s exact forward as through
+    ``model``'s own (within ``tolerance`` of its norm)."""
     grads = []
     for forward in (llm.exact_forward(model), model):
         model.zero_grad()

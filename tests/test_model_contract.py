@@ -141,14 +141,20 @@ def test_a_run_time_adapter_on_the_packed_layer_equals_its_merge(toy_dirs):
         torch.randn(3, cols, generator=generator) * 0.1,
         torch.randn(rows, 3, generator=generator) * 0.1, 0.5) for name, (rows, cols) in
         shape.items()}
-    runtime = LLM(str(toy_dirs[0]))
+    assert_runtime_lora_equals_its_merge(toy_dirs[0], factors)
+
+
+def assert_runtime_lora_equals_its_merge(folder, factors: dict, prompts=PROMPTS) -> None:
+    """Run-time adapter ``factors`` (A, B, scale by weight name) score ``prompts`` as an
+    engine whose weights had ``W + scale B A`` copied in (within 1e-4)."""
+    runtime = LLM(str(folder))
     runtime.engine.commit_lora(factors, 1, 1)
-    merged = LLM(str(toy_dirs[0]))
+    merged = LLM(str(folder))
     weights = merged.engine.weight_parameters()
     merged.update_weights([(name, weights[name] + scale * b @ a)
                            for name, (a, b, scale) in factors.items()], full=False)
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ours, theirs = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (runtime, merged))
+    ours, theirs = (llm.generate(prompts, params, use_tqdm=False) for llm in (runtime, merged))
     for a, b in zip(ours, theirs, strict=True):
         for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
             assert abs(next(iter(x.values())) - next(iter(y.values()))) < 1e-4

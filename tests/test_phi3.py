@@ -19,10 +19,16 @@ from tandem.rollout.parallel.tensor_parallel import COLUMN, KV_HEADS
 from tandem.rollout.worker.models import model_class
 from tandem.rollout.worker.models.phi3 import Phi3ForCausalLM
 from tandem.rollout.worker.models.rotary import RotaryEmbedding
-from tandem.trainers.policy import completion_logprobs, token_batch
+from tandem.trainers.policy import token_batch
 
 from .conftest import build_tokenizer
-from .test_exact_logprobs import assert_exact, sampled, trainer_logprobs
+from .test_exact_logprobs import (
+    assert_exact,
+    assert_gradients_match,
+    sampled,
+    trainer_logprobs,
+)
+from .test_model_contract import assert_runtime_lora_equals_its_merge
 from .test_models import check_prompt_logprobs, hf_greedy
 
 ORIGINAL = 64  # LongRoPE's original_max_position_embeddings
@@ -182,16 +188,7 @@ def test_gradients_match_autograd_through_transformers(phi3_dir):
     prompts, completions, _, _ = sampled(llm, SamplingParams(max_tokens=12, seed=1, n=2))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                  attn_implementation="sdpa")
-    batch = token_batch(prompts, completions, 0)
-    grads = []
-    for forward in (llm.exact_forward(model), model):
-        model.zero_grad()
-        logprobs, _, _ = completion_logprobs(forward, batch, 0.8)
-        (logprobs * batch.completion_mask).sum().backward()
-        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
-    for name, exact in grads[0].items():
-        expected = grads[1][name]
-        assert (exact - expected).norm() <= 1e-4 * expected.norm() + 1e-7, name
+    assert_gradients_match(llm, model, token_batch(prompts, completions, 0), 1e-4)
 
 
 def test_a_full_update_by_transformers_names_serves_the_new_weights(phi3_dir):
@@ -227,17 +224,7 @@ def test_a_run_time_adapter_on_the_unequal_qkv_parts_equals_its_merge(phi3_dir):
     factors = {f"{LAYER}.self_attn.{part}.weight": (
         torch.randn(3, GEOMETRY["hidden_size"], generator=generator) * 0.1,
         torch.randn(count, 3, generator=generator) * 0.1, 0.5) for part, count in rows.items()}
-    runtime = LLM(str(phi3_dir("phi3")))
-    runtime.engine.commit_lora(factors, 1, 1)
-    merged = LLM(str(phi3_dir("phi3")))
-    weights = merged.engine.weight_parameters()
-    merged.update_weights([(name, weights[name] + scale * b @ a)
-                           for name, (a, b, scale) in factors.items()], full=False)
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    ours, theirs = (llm.generate(PROMPTS, params, use_tqdm=False) for llm in (runtime, merged))
-    for a, b in zip(ours, theirs, strict=True):
-        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            assert abs(next(iter(x.values())) - next(iter(y.values()))) < 1e-4
+    assert_runtime_lora_equals_its_merge(phi3_dir("phi3"), factors, PROMPTS)
 
 
 def test_tp2_equals_tp1_and_takes_a_full_update(phi3_dir):

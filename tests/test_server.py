@@ -265,25 +265,29 @@ def bad_requests(url: str) -> list[tuple[int, str | None, dict]]:
     ]
 
 
+async def stream_while(url: str, requests: list[dict]) -> tuple[str, list[httpx.Response]]:
+    """Stream a completion of ``PROMPTS[0]`` (40 tokens, seed 3) and, once its first chunk
+    came, send ``requests`` (``httpx`` request arguments) one by one: the streamed text and
+    their answers."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
+                "prompt": PROMPTS[0], "max_tokens": 40, "seed": 3, "ignore_eos": True,
+                "stream": True}) as stream:
+            lines = stream.aiter_lines()
+            first = await anext(lines)
+            answers = [await client.request(**request) for request in requests]
+            rest = [line async for line in lines]
+    texts = [chunk["choices"][0]["text"] for chunk in map(_event, [first, *rest]) if chunk]
+    return "".join(texts), answers
+
+
 def test_bad_requests_get_4xx_with_openai_errors_and_others_go_on(served, offline):
     url, _ = served
     params = SamplingParams(max_tokens=40, seed=3, ignore_eos=True)
     expected = offline.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].text
 
-    async def stream_and_misbehave() -> tuple[str, list]:
-        async with httpx.AsyncClient(timeout=60) as client:
-            async with client.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
-                    "prompt": PROMPTS[0], "max_tokens": 40, "seed": 3, "ignore_eos": True,
-                    "stream": True}) as stream:
-                lines = stream.aiter_lines()
-                first = await anext(lines)
-                answers = [await client.request(**request)
-                           for _, _, request in bad_requests(url)]
-                rest = [line async for line in lines]
-        texts = [chunk["choices"][0]["text"] for chunk in map(_event, [first, *rest]) if chunk]
-        return "".join(texts), answers
-
-    text, answers = asyncio.run(stream_and_misbehave())
+    text, answers = asyncio.run(stream_while(url, [request for _, _, request in
+                                                    bad_requests(url)]))
     assert text == expected
     for (status, param, _), answer in zip(bad_requests(url), answers):
         assert answer.status_code == status, answer.text

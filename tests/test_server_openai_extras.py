@@ -28,6 +28,7 @@ from .test_server import (
     PROMPTS,
     openai_client,
     running_server,
+    stream_while,
     wait_until_idle,
 )
 
@@ -428,29 +429,15 @@ def test_echo_past_the_server_limits_is_refused_and_accepted_requests_go_on(serv
                                                             ignore_eos=True), use_tqdm=False)
     long_prompt = list(range(5, 5 + LIMITS["max_prompt_tokens"] + 1))
 
-    async def stream_and_echo() -> tuple[str, list[httpx.Response]]:
-        async with httpx.AsyncClient(timeout=120) as client:
-            async with client.stream("POST", f"{url}/v1/completions", headers=AUTH, json={
-                    "prompt": PROMPTS[0], "max_tokens": 40, "seed": 3, "ignore_eos": True,
-                    "stream": True}) as stream:
-                lines = stream.aiter_lines()
-                first = await anext(lines)
-                echoes = [await client.post(f"{url}/v1/completions", headers=AUTH, json=body)
-                          for body in (
-                              {"prompt": long_prompt, "max_tokens": 0, "echo": True,
-                               "logprobs": 1},
-                              {"prompt": [TOKEN_PROMPTS[0], long_prompt], "max_tokens": 1,
-                               "echo": True, "logprobs": 1},
-                              {"prompt": [TOKEN_PROMPTS[1]] * (MAX_NUM_WAITING + 1),
-                               "max_tokens": 0, "echo": True, "logprobs": 1},
-                              {"prompt": TOKEN_PROMPTS, "max_tokens": 0, "echo": True,
-                               "logprobs": 1})]
-                rest = [line async for line in lines]
-        chunks = [json.loads(line.removeprefix("data: ")) for line in [first, *rest]
-                  if line.startswith("data: {")]
-        return "".join(c["choices"][0]["text"] for c in chunks), echoes
-
-    text, (alone, batched, too_many, fine) = asyncio.run(stream_and_echo())
+    bodies = [{"prompt": long_prompt, "max_tokens": 0, "echo": True, "logprobs": 1},
+              {"prompt": [TOKEN_PROMPTS[0], long_prompt], "max_tokens": 1, "echo": True,
+               "logprobs": 1},
+              {"prompt": [TOKEN_PROMPTS[1]] * (MAX_NUM_WAITING + 1), "max_tokens": 0,
+               "echo": True, "logprobs": 1},
+              {"prompt": TOKEN_PROMPTS, "max_tokens": 0, "echo": True, "logprobs": 1}]
+    requests = [dict(method="POST", url=f"{url}/v1/completions", headers=AUTH, json=body)
+                for body in bodies]
+    text, (alone, batched, too_many, fine) = asyncio.run(stream_while(url, requests))
     assert text == expected[0].outputs[0].text
     for refused in (alone, batched):
         error = refused.json()["error"]

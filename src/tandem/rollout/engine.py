@@ -23,7 +23,13 @@ from .core.scheduler import Scheduler, SchedulerConfig
 from .core.sequence import Request, Sequence
 from .default_model import resolve_model
 from .errors import EngineAsleepError
-from .input_processor import InputProcessor, ProcessedPrompt, Prompt, check_request_lists
+from .input_processor import (
+    InputMethods,
+    InputProcessor,
+    ProcessedPrompt,
+    Prompt,
+    check_request_lists,
+)
 from .model_folder import eos_token_ids, load_tokenizer, resolve_max_model_len
 from .output_processor import OutputProcessor, check_routing
 from .outputs import RequestOutput, RoutingFormat
@@ -41,7 +47,7 @@ from .worker.models import model_class
 EnginePrompt = Prompt | ProcessedPrompt | Continuation
 
 
-class LLMEngine:
+class LLMEngine(InputMethods):
     """The engine core: a scheduler, a block manager and a model runner over one KV pool.
 
     Raises:
@@ -104,26 +110,6 @@ class LLMEngine:
             self.runner.ops.attention.cascade), self.block_manager, self.eos_token_ids,
             self.output_processor.match_stop_string, self.held)
         self.scheduler.waiting.extend(waiting)
-
-    def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
-        """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
-
-        Raises:
-            ValueError: for a prompt the engine cannot take (naming the fix).
-        """
-        return self.input_processor.process(prompt)
-
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, *,
-                            continue_final_message: bool = False,
-                            add_special_tokens: bool = False,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
-        """The token ids of a conversation (and ``tools``) under the model's chat template;
-        the options and the ValueError as ``InputProcessor.apply_chat_template``."""
-        return self.input_processor.apply_chat_template(
-            conversation, add_generation_prompt, tools,
-            continue_final_message=continue_final_message,
-            add_special_tokens=add_special_tokens, chat_template_kwargs=chat_template_kwargs)
 
     def compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """The compiled constraint of ``params.structured_outputs`` (None without one),

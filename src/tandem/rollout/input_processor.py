@@ -222,3 +222,43 @@ def check_request_lists(request_ids: Sequence[str], prompts: Sequence[Any],
                              "one batch): lower n or raise max_num_seqs.")
     if len(set(request_ids)) != len(request_ids):
         raise ValueError("request ids repeat within one call: give each its own id.")
+
+
+class InputMethods:
+    """What an engine offers its callers of its input processing, through its
+    ``input_processor``: ``LLMEngine``'s, and the server's mirror of an engine in another
+    process (which tokenizes in the server's), so the routes call one set of methods."""
+
+    input_processor: InputProcessor
+
+    def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
+        """Tokenize (text) or check (ids) a prompt once; see ``InputProcessor.process``.
+
+        Raises:
+            ValueError: for a prompt the engine cannot take (naming the fix).
+        """
+        return self.input_processor.process(prompt)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, *,
+                            continue_final_message: bool = False,
+                            add_special_tokens: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The token ids of a conversation (and ``tools``) under the model's chat template;
+        the options and the ValueError as ``InputProcessor.apply_chat_template``."""
+        return self.input_processor.apply_chat_template(
+            conversation, add_generation_prompt, tools,
+            continue_final_message=continue_final_message,
+            add_special_tokens=add_special_tokens, chat_template_kwargs=chat_template_kwargs)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` (``InputProcessor.encode``; ValueError as it)."""
+        return self.input_processor.encode(text, add_special_tokens)
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` (``InputProcessor.decode``; ValueError as it)."""
+        return self.input_processor.decode(token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token's string in the vocabulary (the tokenizer's ``convert_ids_to_tokens``)."""
+        return self.input_processor.tokenizer.convert_ids_to_tokens(token_ids)

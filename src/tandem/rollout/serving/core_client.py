@@ -31,7 +31,7 @@ from transformers import AutoConfig
 from ..config import EngineConfig
 from ..default_model import resolve_model
 from ..engine import LLMEngine
-from ..input_processor import InputProcessor, ProcessedPrompt, Prompt
+from ..input_processor import InputMethods, InputProcessor
 from ..model_folder import load_tokenizer
 from .core_messages import CallResult, CoreCall, CoreDied, CoreReady, StepReport
 from .engine_core import Emit, EngineCore
@@ -89,7 +89,7 @@ class _QueueInbox:
             return None
 
 
-class EngineMirror:
+class EngineMirror(InputMethods):
     """What the API process reads of an engine in another process: its configuration and
     limits, input processing with its own tokenizer, and the weight version and sleep level
     as of the core's last message.
@@ -107,10 +107,6 @@ class EngineMirror:
                                               ready.max_model_len, ready.eos_token_ids)
         self.weight_version = 0
         self.is_sleeping = False
-
-    def process_prompt(self, prompt: Prompt | ProcessedPrompt) -> ProcessedPrompt:
-        """As ``LLMEngine.process_prompt`` (ValueError for a prompt it cannot take)."""
-        return self.input_processor.process(prompt)
 
 
 class ProcessCore:

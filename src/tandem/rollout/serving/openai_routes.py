@@ -68,7 +68,7 @@ def openai_routes(server: TandemServer) -> APIRouter:
         params = server.sampling_params(body, max_tokens, logprobs)
         server.async_engine.admission.check(1)  # before any work on the template
         prompt = await server.async_engine.call_input(
-            chat_prompt_ids, server.engine.input_processor, body, tools)
+            chat_prompt_ids, server.engine, body, tools)
         prompts = await server.process_prompts([prompt])
         return await server.openai_response(request, body, prompts, params, chat=True,
                                             tool_calls=body.parses_tool_calls)

@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from ..input_processor import InputProcessor
+from ..input_processor import InputMethods
 from .errors import error_responses
 from .protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from .state import TandemServer
@@ -44,21 +44,20 @@ def tokenize_routes(server: TandemServer) -> APIRouter:
         server.check_model(body.model)
         chat = body.is_chat()
         tokens, token_strs = await server.async_engine.call_input(
-            _tokenized, server.engine.input_processor, body, chat)
+            _tokenized, server.engine, body, chat)
         return TokenizeResponse(count=len(tokens), max_model_len=server.engine.max_model_len,
                                 tokens=tokens, token_strs=token_strs)
 
     @router.post("/detokenize", responses=error_responses(404))
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         server.check_model(body.model)
-        text = await server.async_engine.call_input(server.engine.input_processor.decode,
-                                                    body.tokens)
+        text = await server.async_engine.call_input(server.engine.decode, body.tokens)
         return DetokenizeResponse(prompt=text)
 
     return router
 
 
-def chat_prompt_ids(processor: InputProcessor, body: ChatCompletionRequest | TokenizeRequest,
+def chat_prompt_ids(engine: InputMethods, body: ChatCompletionRequest | TokenizeRequest,
                     tools: list[dict[str, Any]] | None) -> list[int]:
     """The prompt ids of a chat body (its messages, ``tools`` and template options) under the
     model's chat template: what the chat route queues and ``/tokenize`` answers.
@@ -66,17 +65,17 @@ def chat_prompt_ids(processor: InputProcessor, body: ChatCompletionRequest | Tok
     Raises:
         ValueError: as ``InputProcessor.apply_chat_template``.
     """
-    return processor.apply_chat_template(
+    return engine.apply_chat_template(
         body.conversation(), body.add_generation_prompt, tools,
         continue_final_message=body.continue_final_message,
         add_special_tokens=body.add_special_tokens,
         chat_template_kwargs=body.chat_template_kwargs)
 
 
-def _tokenized(processor: InputProcessor, body: TokenizeRequest,
+def _tokenized(engine: InputMethods, body: TokenizeRequest,
                chat: bool) -> tuple[list[int], list[str] | None]:
-    tokens = (chat_prompt_ids(processor, body, body.template_tools()) if chat
-              else processor.encode(body.prompt, body.add_special_tokens))
+    tokens = (chat_prompt_ids(engine, body, body.template_tools()) if chat
+              else engine.encode(body.prompt, body.add_special_tokens))
     if not body.return_token_strs:
         return tokens, None
-    return tokens, processor.tokenizer.convert_ids_to_tokens(tokens)
+    return tokens, engine.token_strings(tokens)
