@@ -1,5 +1,6 @@
 """Paged attention kernels, every backend, against attention from its definition in float64;
-over an FP8 pool, against float64 attention over the values it holds, dequantized."""
+over an FP8 pool, against float64 attention over the values it holds, dequantized; under a
+sliding window, against float64 attention over each query's window alone."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from tandem.rollout.core.block_manager import num_blocks_for
 BACKENDS = kernel_backends(torch.device("cpu"))
 BLOCK_SIZE = 16
 HEAD_DIM = 32
+# Sliding windows: one key, a block, a block plus one, shorter than most contexts, longer
+# than every context.
+WINDOWS = [1, BLOCK_SIZE, BLOCK_SIZE + 1, 30, 100]
+# Decodes and prefills of different lengths: contexts of one token, a block, a block plus
+# one, several blocks; a whole prompt, chunks after earlier keys, a chunk ending on a block
+# boundary, a chunk longer than a query tile.
+WINDOW_DECODES = [1, 16, 17, 40]
+WINDOW_PREFILLS = [(19, 19), (5, 37), (32, 48), (40, 70)]
 
 
 def shuffled_block_tables(context_lens: list[int], num_blocks: int,
@@ -51,8 +60,9 @@ def paged_batch(decode_lens: list[int], prefills: list[tuple[int, int]], num_kv_
     return query, k_cache, v_cache, metadata
 
 
-def float64_attention(query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
-    """Each query token's softmax over its sequence's keys, token by token, in float64."""
+def float64_attention(query, k_cache, v_cache, metadata, scale, window=None) -> torch.Tensor:
+    """Each query token's softmax over its sequence's keys, token by token, in float64; with
+    a ``window`` W, over the keys q - W < k <= q of the token at position q alone."""
     out = torch.empty(query.shape, dtype=torch.float64)
     group = query.shape[1] // k_cache.shape[2]
     starts = metadata.cu_seqlens_q.tolist()
@@ -65,8 +75,9 @@ def float64_attention(query, k_cache, v_cache, metadata, scale) -> torch.Tensor:
         first_position = context_len - (starts[s + 1] - starts[s])
         for i, t in enumerate(range(starts[s], starts[s + 1])):
             visible = first_position + i + 1
-            scores = torch.einsum("hd,khd->hk", query[t].double(), keys[:visible]) * scale
-            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[:visible])
+            first = max(0, visible - window) if window else 0
+            scores = torch.einsum("hd,khd->hk", query[t].double(), keys[first:visible]) * scale
+            out[t] = torch.einsum("hk,khd->hd", scores.softmax(-1), values[first:visible])
     return out
 
 
@@ -89,6 +100,52 @@ def test_mixed_decode_and_prefill_step_matches_float64(backend, dtype, num_kv_he
         out = BACKENDS[backend].paged_attention(query, k_pool, v_pool, metadata, 0.125)
         assert out.dtype == dtype
         assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", WINDOWS)
+def test_a_sliding_window_step_matches_float64_over_each_window(backend, window):
+    # (bfloat16 under a window: tests/test_cpu_attention.py, the kernels that convert it.)
+    query, k_cache, v_cache, metadata = paged_batch(WINDOW_DECODES, WINDOW_PREFILLS, 2, 3,
+                                                    torch.float32)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125, window)
+    out = BACKENDS[backend].paged_attention(query, head_major(k_cache), head_major(v_cache),
+                                            metadata, 0.125, sliding_window=window)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("window", [1, BLOCK_SIZE + 1, 30])
+def test_the_batch_invariant_attention_holds_a_sliding_window(window):
+    from tandem.kernels.triton_attention import batch_invariant_attention
+
+    query, k_cache, v_cache, metadata = paged_batch(WINDOW_DECODES, WINDOW_PREFILLS, 2, 3,
+                                                    torch.float32, seed=4)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125, window)
+    out = batch_invariant_attention(query, head_major(k_cache), head_major(v_cache), metadata,
+                                    0.125, sliding_window=window)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [1, BLOCK_SIZE, BLOCK_SIZE + 1])
+def test_the_blocks_before_a_window_are_never_read(backend, window):
+    # Every block wholly before the first key any query of its sequence sees holds NaN: a
+    # kernel that read one, even to weight it 0, would return NaN. (Block 0 pads the block
+    # tables, which the torch decode reads masked, so it keeps its values.)
+    query, k_cache, v_cache, metadata = paged_batch(WINDOW_DECODES, WINDOW_PREFILLS, 2, 3,
+                                                    torch.float32, seed=5)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125, window)
+    query_lens, unread = metadata.cu_seqlens_q.diff().tolist(), []
+    for s, context_len in enumerate(metadata.context_lens.tolist()):
+        first_key = max(0, context_len - query_lens[s] - window + 1)
+        unread += metadata.block_tables[s, :first_key // BLOCK_SIZE].tolist()
+    unread = [block for block in unread if block != 0]
+    assert unread
+    for cache in (k_cache, v_cache):
+        cache[unread] = float("nan")
+    out = BACKENDS[backend].paged_attention(query, head_major(k_cache), head_major(v_cache),
+                                            metadata, 0.125, sliding_window=window)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
 
 
 def cascade_batch(dtype: torch.dtype) -> tuple:
@@ -135,6 +192,18 @@ def test_cascade_over_shared_blocks_matches_float64(dtype):
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("window", [20, 64, 100])
+def test_the_cascade_holds_a_sliding_window(window):
+    # A window inside every context, inside some, and longer than every one (the cascade
+    # proper, the window a no-op).
+    query, k_cache, v_cache, metadata, layout = cascade_batch(torch.float32)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125, window)
+    metadata.cascade = layout
+    out = TORCH_OPS.paged_attention(query, k_cache, v_cache, metadata, 0.125,
+                                    sliding_window=window)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", TOLERANCE, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
 def test_split_decode_matches_float64(dtype, num_splits):
@@ -145,6 +214,20 @@ def test_split_decode_matches_float64(dtype, num_splits):
                                  metadata.context_lens, 0.2, num_splits=num_splits)
     reference = float64_attention(query, k_cache, v_cache, metadata, 0.2)
     assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_split_decode_splits_its_window_alone(num_splits):
+    # A window shorter than two of the contexts, split among as many programs as the whole.
+    from tandem.kernels.triton_attention import paged_decode_attention
+
+    query, k_cache, v_cache, metadata = paged_batch([1, 64, 150], [], 2, 3, torch.float32,
+                                                    seed=1)
+    out = paged_decode_attention(query, k_cache, v_cache, metadata.block_tables,
+                                 metadata.context_lens, 0.2, num_splits=num_splits,
+                                 sliding_window=BLOCK_SIZE + 1)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.2, BLOCK_SIZE + 1)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("num_splits", [1, 4])
@@ -210,6 +293,16 @@ def test_an_fp8_pool_is_attended_as_float64_attends_its_dequantized_values(
     out = BACKENDS[backend].paged_attention(query, k_pool, v_pool, metadata, 0.125, *scales)
     assert out.dtype == dtype
     assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sliding_window_over_an_fp8_pool_matches_float64_of_its_values(backend):
+    query, k_pool, v_pool, scales, metadata, k_values, v_values = fp8_batch(
+        WINDOW_DECODES, WINDOW_PREFILLS, 2, 3, torch.float32)
+    reference = float64_attention(query, k_values, v_values, metadata, 0.125, BLOCK_SIZE + 1)
+    out = BACKENDS[backend].paged_attention(query, k_pool, v_pool, metadata, 0.125, *scales,
+                                            sliding_window=BLOCK_SIZE + 1)
+    assert relative_error(out, reference) < TOLERANCE[torch.float32]
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -1,7 +1,7 @@
 """The compiled CPU decode attention against attention from its definition in float64, on
 the inputs the engine gives it: strided query views, a head-major pool (in the model's dtype
-or FP8), long contexts; and against itself: a token's bits do not depend on how its step
-computes it."""
+or FP8), long contexts, sliding windows; and against itself: a token's bits do not depend on
+how its step computes it, with or without a window."""
 
 from __future__ import annotations
 
@@ -85,6 +85,26 @@ def test_an_fp8_pool_matches_float64_of_its_values_with_a_strided_query(dtype, n
     assert relative_error(out, reference) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(3, 3, 64), (2, 1, 40)])
+@pytest.mark.parametrize("window", [1, 16, 17, 64, 500])
+def test_a_sliding_window_matches_float64_over_each_window(dtype, num_kv_heads, group,
+                                                            head_dim, window):
+    # Whole prompts and chunks of one token, part of a tile and several tiles (whose rows'
+    # windows start apart), beside decodes; windows of one key, a block, a block plus one,
+    # a query tile, longer than every context.
+    prefills = [(1, 1), (70, 70), (3, 9), (45, 300)]
+    query, k_cache, v_cache, metadata = paged_batch([17, 1, 300], prefills, num_kv_heads,
+                                                    group, dtype, seed=9, head_dim=head_dim)
+    wide = torch.randn(query.shape[0], query.shape[1] + 1, query.shape[2]).to(dtype)
+    wide[:, 1:] = query
+    query = wide[:, 1:]
+    out = cpu_attention.paged_attention(query, head_major(k_cache), head_major(v_cache),
+                                        metadata, 0.125, sliding_window=window)
+    reference = float64_attention(query, k_cache, v_cache, metadata, 0.125, window)
+    assert relative_error(out, reference) < TOLERANCE[dtype]
+
+
 def test_half_precision_and_mixed_dtypes_take_the_reference():
     query, k_cache, v_cache, metadata = paged_batch([5, 40], [(3, 9)], 2, 2, torch.float16)
     assert not cpu_attention.supports(query, k_cache)
@@ -94,13 +114,14 @@ def test_half_precision_and_mixed_dtypes_take_the_reference():
     assert not cpu_attention.supports(query.float(), k_cache)
 
 
-def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125, scales=()):
+def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125, scales=(),
+                     window=None):
     """The attention of one sequence's query tokens (``query`` ``[L, heads, head_dim]``, its
     keys in ``k_cache`` by ``block_table``), run as ``steps``: a list of steps, each a list
     of ``(first, count)`` chunks of that sequence's tokens (count 1 after the first chunk of
     a step is a decode only when it comes first), each chunk with random decodes of other
-    contexts beside it; ``scales``: an FP8 pool's. Returns the ``[L, heads, head_dim]``
-    outputs, each token's from the step that computed it."""
+    contexts beside it; ``scales``: an FP8 pool's; ``window``: the sliding window. Returns
+    the ``[L, heads, head_dim]`` outputs, each token's from the step that computed it."""
     out = torch.empty_like(query)
     for first, count, decode in steps:
         others = 3
@@ -121,7 +142,7 @@ def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125, s
                                      torch.tensor(lens)[order], starts, num_decodes,
                                      max_query_len=count)
         result = cpu_attention.paged_attention(queries, k_cache, v_cache, metadata, scale,
-                                               *scales)
+                                               *scales, sliding_window=window)
         out[first:first + count] = result[:count] if decode else result[others:]
     return out
 
@@ -129,14 +150,17 @@ def attend_positions(query, k_cache, v_cache, block_table, steps, scale=0.125, s
 @settings(max_examples=25, deadline=None)
 @given(length=st.integers(1, 90), cuts=st.lists(st.integers(1, 89), max_size=4),
        decoded_tail=st.integers(0, 12), bf16=st.booleans(), fp8=st.booleans(),
-       shape=st.sampled_from([(3, 3, 64), (2, 1, 40), (1, 8, 128)]))
+       shape=st.sampled_from([(3, 3, 64), (2, 1, 40), (1, 8, 128)]),
+       window=st.sampled_from([None, 1, 7, 16, 17, 40]))
 def test_a_token_has_the_same_bits_decoded_or_prefilled_in_any_chunk(length, cuts,
                                                                       decoded_tail, bf16, fp8,
-                                                                      shape):
+                                                                      shape, window):
     # Exact log-probs rest on this: a token's attention is bitwise the same whether its
     # step decodes it, prefills it inside one prompt-long chunk, or inside any chunk after
-    # a cached prefix, whatever sequences share the step. Mutating either kernel's
-    # reduction order (the decode's dot product, a tile's score or value sums) fails it.
+    # a cached prefix, whatever sequences share the step, and whatever its sliding window
+    # (a tile reads from its first token's window; each row weights the keys before its own
+    # 0). Mutating either kernel's reduction order (the decode's dot product, a tile's
+    # score or value sums) fails it.
     num_kv_heads, group, head_dim = shape
     dtype = torch.bfloat16 if bf16 else torch.float32
     generator = torch.Generator().manual_seed(length)
@@ -151,7 +175,7 @@ def test_a_token_has_the_same_bits_decoded_or_prefilled_in_any_chunk(length, cut
         k_cache, v_cache = (fp8_pool(cache, scale)[0] for cache, scale in
                             zip((k_cache, v_cache), scales))
     attend = functools.partial(attend_positions, query, k_cache, v_cache, block_table,
-                               scales=scales)
+                               scales=scales, window=window)
     whole = attend([(0, length, False)])
     bounds = sorted({0, *(c for c in cuts if c < length), length})
     prefill_end = max(1, length - decoded_tail)

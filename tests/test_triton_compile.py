@@ -13,7 +13,9 @@ compiled are exactly what the launchers pass, for head dims 16 and 32 (the tiny 
 float32), 64 (SmolLM2, in float32, bfloat16 and float16) and 128 (Qwen3-0.6B and Qwen3-8B in
 bfloat16, Llama 3 8B in float16), with KV blocks of 16 tokens (the default) and, for
 Qwen3-8B, also of 32; and with an FP8 KV pool (``kv_cache_dtype="fp8"``) for sm_90 only,
-Triton converting float8_e4m3fn from sm_89 on.
+Triton converting float8_e4m3fn from sm_89 on. Each attention launch is also recorded under
+sliding windows, whose argument Triton must never specialise on (one binary for every
+window, none included).
 
 Registers per thread, spill stores and loads and the stack frame of each cubin are ptxas's,
 from its verbose log for the very cubin Triton built: what Triton's ``n_regs`` and
@@ -146,3 +148,11 @@ def test_the_fp8_kv_kernels_compile_for_sm90_and_triton_still_refuses_sm80(compi
     assert {record["pointers"]["query"] for record in fp8
             if record["kernel"] != "_store_kv_kernel"} == {"*bf16", "*fp16", "*fp32"}
     assert "fp8e4nv not supported in this architecture" in compiled["fp8_on_sm80"]
+
+
+def test_a_sliding_window_runs_the_binary_of_none(compiled):
+    # The window is a plain int argument (never specialised: 1 would be a constant, 4096 a
+    # multiple of 16), so every window of every layer, and none, share one binary per
+    # launch, and capturing a model's graphs compiles nothing more.
+    assert compiled["sliding_windows"] == {
+        kernel: ["i32"] for kernel in ("_decode_kernel", "_prefill_kernel")}

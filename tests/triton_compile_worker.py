@@ -2,9 +2,10 @@
 kernel ahead of time for sm_80 and sm_90 and write the results as JSON.
 
 The launches compiled are the launchers' own. For each model geometry one engine step (norms,
-rotary, ``store_kv``, decode and prefill attention, the split decode and its merge,
-``silu_and_mul``, exact log-probs' batch-invariant attention and matmul, and the matmul of
-8-bit weights, int8 for every target and fp8 for sm_90) runs on meta
+rotary, ``store_kv``, decode and prefill attention, the split decode and its merge, each
+attention also under a sliding window, ``silu_and_mul``, exact log-probs' batch-invariant
+attention and matmul, and the matmul of 8-bit weights, int8 for every target and fp8 for
+sm_90) runs on meta
 tensors with every ``@triton.jit`` function of the kernel modules replaced by a recorder, so
 the constexprs, pointer dtypes, ``num_warps`` and integer specialisations are exactly what
 the engine would launch. Each distinct launch is then
@@ -26,8 +27,9 @@ that Triton still refuses it there.
 Output: ``{"compiled": [{kernel, target, geometry, constexprs, pointers, shared, registers,
 spill_stores, spill_loads, stack_frame, error}], "unlaunched": [jit functions neither
 launched nor called by a launched kernel], "fp8_on_sm80": the error of an FP8 store compiled
-for sm_80, or None}``; sizes in bytes, registers per thread, the figures None where
-``error`` says why.
+for sm_80, or None, "sliding_windows": {kernel: [the kinds its sliding_window argument
+specialised to, over every launch]}}``; sizes in bytes, registers per thread, the figures
+None where ``error`` says why.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DEFAULT_BLOCK_SIZE = 16  # EngineConfig.block_size's default
 NUM_DECODES, PREFILL_LEN = 3, 21
 MAX_POSITION = 512
+# The sliding windows launched beside none (0): Mistral's, one key (an int Triton would
+# otherwise specialise as a constant), and one not a multiple of 16.
+SLIDING_WINDOWS = (4096, 1, 17)
 QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn)
 # fp8 e4m3 converts on compute capability 8.9 and newer only (the engine refuses it below,
 # dispatch.check_quantized): its launches compile for sm_90 alone.
@@ -222,17 +227,20 @@ def run_step(geometry: Geometry) -> None:
     metadata = _metadata(tokens)
     triton_attention.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
     scale = g.head_dim ** -0.5
-    triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
-    triton_attention.paged_decode_attention(  # the split path and its merge
-        q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
-        metadata.context_lens[:NUM_DECODES], scale, num_splits=4, k_scale=k_scale,
-        v_scale=v_scale)
+    for window in (None, *SLIDING_WINDOWS):
+        triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale,
+                                         v_scale, sliding_window=window)
+        triton_attention.paged_decode_attention(  # the split path and its merge
+            q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
+            metadata.context_lens[:NUM_DECODES], scale, num_splits=4, k_scale=k_scale,
+            v_scale=v_scale, sliding_window=window)
     gate = _meta(tokens, g.intermediate_size, dtype=dtype)
     triton_layers.silu_and_mul(gate, torch.empty_like(gate))
     # exact_logprobs: every query through the prefill kernel, every projection through the
     # fixed-tile matmul (with a bias, as Qwen2's q/k/v).
-    triton_attention.batch_invariant_attention(q, k_cache, v_cache, metadata, scale, k_scale,
-                                               v_scale)
+    for window in (None, *SLIDING_WINDOWS):
+        triton_attention.batch_invariant_attention(q, k_cache, v_cache, metadata, scale,
+                                                   k_scale, v_scale, sliding_window=window)
     triton_linear.linear(hidden, _meta(g.intermediate_size, g.hidden_size, dtype=dtype))
     triton_linear.linear(hidden, _meta(g.num_heads * g.head_dim, g.hidden_size, dtype=dtype),
                          _meta(g.num_heads * g.head_dim, dtype=dtype))
@@ -408,6 +416,17 @@ def fp8_store_on_sm80(launches: list[Launch]) -> str | None:
     return compile_job(specialise(store, "sm_80"))["error"]
 
 
+def sliding_window_kinds(launches: list[Launch]) -> dict[str, list[str]]:
+    """Per kernel taking a ``sliding_window``, the kinds it specialised to over every launch
+    (one kind: every window, none included, runs one binary)."""
+    kinds: dict[str, set[str]] = {}
+    for launch in launches:
+        if "sliding_window" in launch.kernel.arg_names:
+            kind = specialise(launch, "sm_90").signature["sliding_window"]
+            kinds.setdefault(launch.kernel.__name__, set()).add(kind)
+    return {name: sorted(found) for name, found in kinds.items()}
+
+
 def main() -> None:
     """Compile each distinct launch for each target, on every CPU; write the results as JSON
     to the path given as the first argument (Triton prints to stdout when ptxas fails)."""
@@ -416,7 +435,8 @@ def main() -> None:
     with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
         compiled = list(pool.map(lambda pair: report(*pair), distinct_jobs(launches)))
     results = {"compiled": compiled, "unlaunched": unlaunched(launches),
-               "fp8_on_sm80": fp8_store_on_sm80(launches)}
+               "fp8_on_sm80": fp8_store_on_sm80(launches),
+               "sliding_windows": sliding_window_kinds(launches)}
     Path(sys.argv[1]).write_text(json.dumps(results, indent=1))
 
 

@@ -19,6 +19,11 @@ matmul, then each decode's own blocks, one softmax over both parts.
 An FP8 pool (``fp8_kv.py``) comes with its layer's scales ``k_scale`` and ``v_scale``
 ``[kv_heads]``: ``store_kv`` quantizes, the attention dequantizes what it gathers to
 float32; every kernel takes them (None for a pool in the model's dtype).
+
+A layer with a sliding window ``W`` (``sliding_window``; None: full attention) attends, from
+a query at position q, the keys at positions q - W < k <= q: its last W positions, its own
+included (transformers' ``sliding_window_overlay``). Every kernel takes it, and reads only
+the blocks that hold keys inside a query's window; the blocks before stay in the pool.
 """
 
 from __future__ import annotations
@@ -63,14 +68,32 @@ class BlockRuns:
     rows: torch.Tensor | None = None
 
 
-def block_runs(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> BlockRuns:
+def block_runs(block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
+               starts: torch.Tensor | None = None) -> BlockRuns:
     """The runs of ``block_tables`` ``[runs, blocks]`` holding ``lens[r]`` tokens each,
-    trimmed to the longest."""
+    trimmed to the longest; with ``starts``, each run's tokens before ``starts[r]`` masked
+    too."""
     num_blocks = math.ceil(int(lens.max()) / block_size)
     positions = torch.arange(num_blocks * block_size, device=lens.device)
     bias = torch.zeros(len(lens), len(positions), device=lens.device)
     bias.masked_fill_(positions[None, :] >= lens[:, None], MASKED)
+    if starts is not None:
+        bias.masked_fill_(positions[None, :] < starts[:, None], MASKED)
     return BlockRuns(block_tables[:, :num_blocks].flatten(), bias)
+
+
+def window_runs(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
+                block_size: int) -> BlockRuns:
+    """One run per sequence of ``block_tables`` ``[seqs, blocks]`` over the last ``window``
+    of its ``context_lens`` tokens: its blocks from the one holding the window's first
+    token, the tokens before that one masked."""
+    first = (context_lens - window).clamp(min=0)
+    first_block = first // block_size
+    width = block_tables.shape[1]
+    columns = first_block[:, None] + torch.arange(width, device=block_tables.device)
+    tables = block_tables.gather(1, columns.clamp(max=width - 1))
+    skipped = first_block * block_size
+    return block_runs(tables, context_lens - skipped, block_size, first - skipped)
 
 
 @dataclass(slots=True)
@@ -186,24 +209,27 @@ class _Pool:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool
     (an FP8 one read through its ``k_scale``/``v_scale``).
 
     Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
-    its own sequence at positions up to its own. Returns ``[num_tokens, num_heads, head_dim]``.
+    its own sequence at positions up to its own, and with a ``sliding_window`` W only to the
+    last W of them (its own included). Returns ``[num_tokens, num_heads, head_dim]``.
     """
     pool = _Pool(k_cache, v_cache, k_scale, v_scale)
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        output[:num_decodes] = _decode_attention(query[:num_decodes], pool, metadata, scale)
-    _attend_prefills(query, pool, metadata, scale, output)
+        output[:num_decodes] = _decode_attention(query[:num_decodes], pool, metadata, scale,
+                                                 sliding_window)
+    _attend_prefills(query, pool, metadata, scale, output, sliding_window)
     return output
 
 
 def _attend_prefills(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
-                     scale: float, output: torch.Tensor) -> None:
+                     scale: float, output: torch.Tensor, window: int | None) -> None:
     """Write the attention of the step's prefill chunks (the query tokens after the
     decodes') into the same rows of ``output``, one sequence at a time."""
     num_decodes = metadata.num_decodes
@@ -214,7 +240,7 @@ def _attend_prefills(query: torch.Tensor, pool: _Pool, metadata: AttentionMetada
     for s in range(num_decodes, len(context_lens)):
         start, end = starts[s], starts[s + 1]
         output[start:end] = _prefill_attention(
-            query[start:end], pool, metadata.block_tables[s], context_lens[s], scale)
+            query[start:end], pool, metadata.block_tables[s], context_lens[s], scale, window)
 
 
 def pool_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -261,10 +287,23 @@ def _scores(query: torch.Tensor, pool: _Pool,
     return scores, pool.values(runs.rows, num_runs)
 
 
+def _decode_layout(metadata: AttentionMetadata, block_size: int,
+                   window: int | None) -> CascadeLayout:
+    """The decodes' runs: ``metadata.cascade`` where the runner laid one out and no window
+    cuts into a decode's context; else one run per decode, over its window's blocks alone
+    where its window is shorter than the longest context (``window_runs``)."""
+    num_decodes = metadata.num_decodes
+    tables, lens = metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes]
+    if window is not None and int(lens.max()) > window:
+        return CascadeLayout(window_runs(tables, lens, window, block_size))
+    return metadata.cascade or CascadeLayout(block_runs(tables, lens, block_size))
+
+
 def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int | None) -> torch.Tensor:
     """One query token per decode, all decodes batched; a cascade when ``metadata.cascade``
-    groups them.
+    groups them (and no ``window`` cuts into their contexts: a window's blocks are read per
+    decode, ``_decode_layout``).
 
     In the cascade, each group's scores against its shared blocks are computed once, with
     all its members' queries in one matmul, then copied out per decode beside the decode's
@@ -273,9 +312,7 @@ def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetad
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = pool.k_cache.shape[2]
     heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * scale
-    layout = metadata.cascade or CascadeLayout(block_runs(
-        metadata.block_tables[:num_decodes], metadata.context_lens[:num_decodes],
-        pool.k_cache.shape[1]))
+    layout = _decode_layout(metadata, pool.k_cache.shape[1], window)
     scores, values = _scores(heads, pool, layout.own)
     if layout.shared is None:
         out = torch.matmul(torch.softmax(scores, dim=-1), values)
@@ -301,25 +338,33 @@ def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetad
 
 
 def _prefill_attention(query: torch.Tensor, pool: _Pool, block_table: torch.Tensor,
-                       context_len: int, scale: float) -> torch.Tensor:
-    """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens."""
+                       context_len: int, scale: float, window: int | None) -> torch.Tensor:
+    """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens;
+    with a ``window``, from the block holding its first query's first key on."""
     output_dtype = query.dtype
     block_size = pool.k_cache.shape[1]
-    rows = pool_rows(pool.k_cache, block_table[:math.ceil(context_len / block_size)])
-    keys = pool.keys(rows, 1)[:, 0, :context_len]
-    values = pool.values(rows, 1)[:, 0, :context_len]
+    num_query = query.shape[0]
+    windowed = window is not None and window < context_len
+    first_key = max(0, context_len - num_query - window + 1) if windowed else 0
+    skipped = first_key // block_size * block_size
+    rows = pool_rows(pool.k_cache, block_table[skipped // block_size:
+                                               math.ceil(context_len / block_size)])
+    keys = pool.keys(rows, 1)[:, 0, :context_len - skipped]
+    values = pool.values(rows, 1)[:, 0, :context_len - skipped]
     query = _upcast(query.transpose(0, 1))
-    num_query, num_groups = query.shape[1], query.shape[0] // keys.shape[0]
+    num_groups = query.shape[0] // keys.shape[0]
     # Four-dimensional inputs with the key/value heads repeated reach SDPA's flash kernel on
     # CPU; three-dimensional or enable_gqa ones take its math path, 3-6x slower at 564 tokens.
     keys, values = (t.repeat_interleave(num_groups, 0)[None] for t in (keys, values))
-    if num_query == context_len:
+    if num_query == context_len and not windowed:
         out = F.scaled_dot_product_attention(query[None], keys, values, is_causal=True,
                                              scale=scale)
     else:
         query_pos = torch.arange(context_len - num_query, context_len, device=query.device)
-        key_pos = torch.arange(context_len, device=query.device)
+        key_pos = torch.arange(skipped, context_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if windowed:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         out = F.scaled_dot_product_attention(query[None], keys, values, attn_mask=mask,
                                              scale=scale)
     return out[0].transpose(0, 1).to(output_dtype)

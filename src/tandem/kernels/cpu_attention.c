@@ -16,6 +16,11 @@
  * The pool holds the query's dtype, or float8 e4m3 (kv_format): each byte read through
  * fp8_values (its float32 value, as torch converts it), K's scale per KV head folded into
  * the query's scale and V's applied to the output sums.
+ *
+ * With a sliding window W (sliding_window > 0) a token at position p sees the keys
+ * p - W < k <= p. A tile reads the keys from its first token's first one; each row's
+ * softmax covers its own window, the keys before it weighted 0 (an exact no-op in the value
+ * sums, as the keys past its position), so a token's bits still do not depend on its tile.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +52,7 @@ struct attention_args {
     int64_t output_stride_seq, output_stride_head;
     int64_t num_heads, num_kv_heads, head_dim, block_size;
     int64_t cache_stride_block, cache_stride_token, cache_stride_head;
+    int64_t sliding_window; /* W: a token sees its last W positions; 0: all before it */
     float scale;
     int32_t bf16;      /* the query and output: FORMAT_FLOAT32 or FORMAT_BFLOAT16 */
     int32_t kv_format; /* the pool: the query's format, or FORMAT_FP8_E4M3 */
@@ -79,15 +85,23 @@ static inline const float *value_at(const struct attention_args *a, int64_t inde
     return row_at(a->v_cache, index, a->kv_format, a->fp8_values, a->head_dim, scratch);
 }
 
-/* The element offset in the pool of each of `seq`'s first `context_len` tokens' rows. */
+/* The element offset in the pool of each of `seq`'s tokens [first, end)'s rows, into rows[0]
+ * on: the blocks before the one holding token `first` are never read. */
 static void token_rows(const struct attention_args *a, int64_t seq, int64_t kv_head,
-                       int64_t context_len, int64_t *rows) {
+                       int64_t first, int64_t end, int64_t *rows) {
     const int64_t *table = a->block_tables + seq * a->block_table_stride;
-    for (int64_t block = 0, t = 0; t < context_len; block++) {
-        const int64_t base = kv_head * a->cache_stride_head + table[block] * a->cache_stride_block;
-        for (int64_t offset = 0; offset < a->block_size && t < context_len; offset++, t++)
-            rows[t] = base + offset * a->cache_stride_token;
+    for (int64_t t = first; t < end;) {
+        const int64_t base = kv_head * a->cache_stride_head
+            + table[t / a->block_size] * a->cache_stride_block;
+        for (int64_t offset = t % a->block_size; offset < a->block_size && t < end; offset++, t++)
+            rows[t - first] = base + offset * a->cache_stride_token;
     }
+}
+
+/* The first key position the token at `position` sees (its window's, or 0). */
+static inline int64_t first_key(const struct attention_args *a, int64_t position) {
+    const int64_t first = position - a->sliding_window + 1;
+    return a->sliding_window > 0 && first > 0 ? first : 0;
 }
 
 /* Query token `token`'s head `head`, times `scale`, into `out`. */
@@ -338,22 +352,28 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
     const int64_t group = a->num_heads / a->num_kv_heads, head_dim = a->head_dim;
     const int64_t start = a->query_starts[seq];
     const int64_t num_query = a->query_starts[seq + 1] - start;
-    /* Token first + i sits at this position: it sees keys [0, position]. */
+    /* Token first + i sits at this position: it sees keys [first_key, position]. The tile
+     * reads keys [first_read, first_position + count), column t of its scores key
+     * first_read + t. */
     const int64_t first_position = a->context_lens[seq] - num_query + first;
-    const int64_t num_keys = first_position + count, num_rows = count * group;
+    const int64_t first_read = first_key(a, first_position);
+    const int64_t num_keys = first_position + count - first_read, num_rows = count * group;
     /* An FP8 pool's key scale folds into the query's: q . (k s) = (q s) . k. */
     const float scale = a->k_scale ? a->scale * a->k_scale[kv_head] : a->scale;
     float queries[MAX_TILE_ROWS][MAX_HEAD_DIM], sums[MAX_TILE_ROWS][MAX_HEAD_DIM];
     for (int64_t r = 0; r < num_rows; r++)
         load_query(a, start + first + r / group, kv_head * group + r % group, scale,
                    queries[r]);
-    token_rows(a, seq, kv_head, num_keys, rows);
+    token_rows(a, seq, kv_head, first_read, first_position + count, rows);
     tile_scores(a, rows, num_keys, num_rows, queries, scores, num_keys);
-    for (int64_t r = 0; r < num_rows; r++) { /* causal: row r sees its first `seen` keys */
-        const int64_t seen = first_position + r / group + 1;
+    for (int64_t r = 0; r < num_rows; r++) { /* row r sees its columns [from, seen) */
+        const int64_t position = first_position + r / group;
+        const int64_t from = first_key(a, position) - first_read;
+        const int64_t seen = position + 1 - first_read;
         float *row = scores + r * num_keys;
-        if (seen > 0)
-            softmax_rows(row, 1, seen);
+        memset(row, 0, from * sizeof(float));
+        if (seen > from)
+            softmax_rows(row + from, 1, seen - from);
         memset(row + seen, 0, (num_keys - seen) * sizeof(float));
     }
     weighted_values(a, rows, num_keys, num_rows, scores, num_keys, sums);

@@ -18,12 +18,13 @@ of autograd through the references (the gradient needs no bitwise match):
   activation, each with its backward written out in float32, and a ``causal_attention``
   that attends every sequence of a flat token stream to itself through the engine's own
   attention over the stream's keys (no pool: the engine's attention gives a token the same
-  bits decoded or prefilled), backward through one padded SDPA call. The model's attention
-  calls it instead of storing to and reading from a pool. Where the engine's pool is FP8,
-  the stream's K and V go through it as the engine's do: stored by the engine's own
-  ``store_kv`` with the engine's scales (so rounded to the very bits the engine read) and
-  attended from there; the backward is straight through the rounding (the gradient of the
-  dequantized K and V passed to K and V, but where the clamp saturated).
+  bits decoded or prefilled), backward through one padded SDPA call (masked to the layer's
+  sliding window where it has one). The model's attention calls it instead of storing to
+  and reading from a pool. Where the engine's pool is FP8, the stream's K and V go
+  through it as the engine's do: stored by the engine's own ``store_kv`` with the engine's
+  scales (so rounded to the very bits the engine read) and attended from there; the
+  backward is straight through the rounding (the gradient of the dequantized K and V
+  passed to K and V, but where the clamp saturated).
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class _Rotary(Function):
 class _CausalAttention(Function):
     @staticmethod
     def forward(ctx, query, key, value, cu_seqlens, scale, kernels,  # noqa: D102
-                k_scale, v_scale):
+                k_scale, v_scale, window):
         starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
         width = int(lengths.max())
         # The stream itself as a pool of one-token blocks: row t of each sequence's table is
@@ -227,9 +228,9 @@ class _CausalAttention(Function):
         if k_scale is not None:
             k_pool, v_pool = _through_fp8_pool(key, value, kernels.store_kv, k_scale, v_scale)
         ctx.save_for_backward(query, key, value, cu_seqlens, k_pool, v_pool)
-        ctx.scale, ctx.scales = scale, (k_scale, v_scale)
+        ctx.scale, ctx.scales, ctx.window = scale, (k_scale, v_scale), window
         return kernels.paged_attention(query.contiguous(), k_pool, v_pool, metadata, scale,
-                                       k_scale, v_scale)
+                                       k_scale, v_scale, sliding_window=window)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -240,12 +241,12 @@ class _CausalAttention(Function):
             dequantize(v_pool[:, 0], v_scale).to(value.dtype))
         inputs = [t.detach().requires_grad_() for t in (query, *attended)]
         with torch.enable_grad():
-            out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale)
+            out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale, ctx.window)
         grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
         if k_scale is not None:  # straight through the rounding, not the saturation
             grad_key = grad_key * _unsaturated(key, k_scale)
             grad_value = grad_value * _unsaturated(value, v_scale)
-        return grad_query, grad_key, grad_value, None, None, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None, None, None
 
 
 def _through_fp8_pool(key: torch.Tensor, value: torch.Tensor, store: Callable[..., None],
@@ -265,9 +266,10 @@ def _unsaturated(x: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
     return ((x.float() / kv_scale[:, None]).abs() <= FP8_MAX).to(x.dtype)
 
 
-def _sdpa_reference(query, key, value, cu_seqlens, scale):
-    """Each sequence's causal attention through one SDPA call over the sequences padded at
-    the end to the longest, its KV heads grouped (GQA); back to the flat stream."""
+def _sdpa_reference(query, key, value, cu_seqlens, scale, window):
+    """Each sequence's causal attention (within its last ``window`` positions where one is
+    given) through one SDPA call over the sequences padded at the end to the longest, its
+    KV heads grouped (GQA); back to the flat stream."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     seqs, width, group = len(lengths), int(lengths.max()), query.shape[1] // key.shape[1]
     seq_of = torch.repeat_interleave(torch.arange(seqs, device=query.device), lengths)
@@ -282,10 +284,22 @@ def _sdpa_reference(query, key, value, cu_seqlens, scale):
 
     # Causal alone: a real row (position < its length) attends keys 0..position, all real;
     # the padded rows' outputs are dropped, so their gradients are zero (and no mask tensor
-    # keeps SDPA's causal path, which skips the blocks above the diagonal).
+    # keeps SDPA's causal path, which skips the blocks above the diagonal). A window that
+    # binds adds a mask of its own.
+    causal = window is None or window >= width
+    mask = None if causal else _window_mask(width, window, query.device)
     out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
-                                         is_causal=True, scale=scale, enable_gqa=group > 1)
+                                         attn_mask=mask, is_causal=causal, scale=scale,
+                                         enable_gqa=group > 1)
     return out.transpose(1, 2).reshape(seqs * width, *query.shape[1:]).index_select(0, flat)
+
+
+def _window_mask(width: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[width, width]``: True where query position q sees key position k, q - window < k
+    <= q."""
+    positions = torch.arange(width, device=device)
+    offset = positions[:, None] - positions[None, :]
+    return (offset >= 0) & (offset < window)
 
 
 def training_ops(kernels: KernelOps) -> KernelOps:
@@ -293,7 +307,8 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     batch-invariant attention) made differentiable for a trainer's forward pass: each runs
     forward as the engine runs it, its backward in torch; ``causal_attention`` attends each
     sequence of the step's flat stream to its own keys through ``kernels.paged_attention``
-    (given an FP8 pool's scales, through an FP8 pool filled by ``kernels.store_kv``).
+    (given an FP8 pool's scales, through an FP8 pool filled by ``kernels.store_kv``), within
+    the layer's ``sliding_window`` where it has one.
     """
     def rms_norm(x, weight, eps, residual=None):
         return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm)
@@ -303,9 +318,9 @@ def training_ops(kernels: KernelOps) -> KernelOps:
         _Rotary.apply(key, positions, cos_cache, sin_cache, kernels.rotary_embedding)
 
     def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float,
-                         k_scale=None, v_scale=None):
+                         k_scale=None, v_scale=None, sliding_window=None):
         return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale, kernels,
-                                      k_scale, v_scale)
+                                      k_scale, v_scale, sliding_window)
 
     def silu_and_mul(gate, up):
         return _SiluAndMul.apply(gate, up, kernels.silu_and_mul)

@@ -8,6 +8,12 @@ splits by their log-sum-exp. Prefill chunks run one program per (sequence, head,
 tile), causal, reading every key (earlier chunks, prefix-cache hits and this step's, which
 ``store_kv`` wrote first) from the pool.
 
+A layer's sliding window W (``sliding_window``; 0 in the kernels for none) is a scalar
+argument, never specialised on: a decode reads its last W keys alone (split among its
+programs); a prefill tile starts at its first token's window, rounded down to the grid of
+key tiles every chunk shares, so a token's tiles (and its bits, for exact log-probs) do
+not depend on its chunk.
+
 Scores and products are accumulated in float32. Matrix products take float16/bfloat16
 operands on a GPU (tensor cores, products exact in float32); the Triton interpreter
 computes bfloat16 products wrongly, so there every operand is converted to float32 right
@@ -61,12 +67,14 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool
     (an FP8 one read through its ``k_scale``/``v_scale``).
 
     Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
-    its own sequence at positions up to its own. Returns ``[num_tokens, num_heads, head_dim]``.
+    its own sequence at positions up to its own, and with a ``sliding_window`` W only to the
+    last W of them (its own included). Returns ``[num_tokens, num_heads, head_dim]``.
     Never synchronises with the device, so a pure-decode step can be captured in a graph.
     """
     output = torch.empty_like(query)
@@ -75,28 +83,30 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_decode_attention(query[:num_decodes], k_cache, v_cache,
                                metadata.block_tables[:num_decodes],
                                metadata.context_lens[:num_decodes], scale,
-                               output=output[:num_decodes], k_scale=k_scale, v_scale=v_scale)
+                               output=output[:num_decodes], k_scale=k_scale, v_scale=v_scale,
+                               sliding_window=sliding_window)
     num_prefills = metadata.context_lens.shape[0] - num_decodes
     if num_prefills:
         _prefill_attention(query, k_cache, v_cache, metadata, scale, output, num_prefills,
-                           k_scale, v_scale)
+                           k_scale, v_scale, sliding_window)
     return output
 
 
 def batch_invariant_attention(query: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, metadata: AttentionMetadata,
                               scale: float, k_scale: torch.Tensor | None = None,
-                              v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              v_scale: torch.Tensor | None = None,
+                              sliding_window: int | None = None) -> torch.Tensor:
     """``paged_attention`` with every query, decodes included, through the prefill kernel:
     a decode is a one-token chunk, so a token's attention runs the same tiles, in the same
     order, with the same online softmax, whether it was decoded or prefilled and wherever
     its chunk began (exact log-probs; no flash-decoding split, whose count follows the
-    batch). Keys past a query's position fold in as exact no-ops."""
+    batch). Keys past a query's position, or before its window, fold in as exact no-ops."""
     output = torch.empty_like(query)
     if metadata.context_lens.shape[0]:
         _prefill_attention(query, k_cache, v_cache, dataclasses.replace(
             metadata, num_decodes=0, max_query_len=max(metadata.max_query_len, 1)), scale,
-            output, metadata.context_lens.shape[0], k_scale, v_scale)
+            output, metadata.context_lens.shape[0], k_scale, v_scale, sliding_window)
     return output
 
 
@@ -105,13 +115,15 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            num_splits: int | None = None,
                            output: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence ``[num_seqs, num_heads, head_dim]`` (over
-    an FP8 pool through its ``k_scale``/``v_scale``).
+    an FP8 pool through its ``k_scale``/``v_scale``), to its last ``sliding_window`` keys
+    where one is given.
 
-    ``num_splits`` splits each context across that many programs (default: enough programs
-    to fill the device). Writes into ``output`` when given; returns the output. A sequence
-    whose context length is 0 (graph padding) gets zeros.
+    ``num_splits`` splits each context (or its window) across that many programs (default:
+    enough programs to fill the device). Writes into ``output`` when given; returns the
+    output. A sequence whose context length is 0 (graph padding) gets zeros.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -127,8 +139,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, partial, lse,
-        scale * LOG2E, query.stride(0), query.stride(1), *k_cache.stride()[:3],
-        block_tables.stride(0), *partial.stride()[:3], *lse.stride()[:2], num_splits, head_dim,
+        scale * LOG2E, sliding_window or 0, query.stride(0), query.stride(1),
+        *k_cache.stride()[:3], block_tables.stride(0), *partial.stride()[:3],
+        *lse.stride()[:2], num_splits, head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
         BLOCK_N=_decode_keys(query.dtype, block_d, k_scale is not None), BLOCK_D=block_d,
         UPCAST=_interpreting(), num_warps=4)
@@ -143,7 +156,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        metadata: AttentionMetadata, scale: float, output: torch.Tensor,
                        num_prefills: int, k_scale: torch.Tensor | None,
-                       v_scale: torch.Tensor | None) -> None:
+                       v_scale: torch.Tensor | None, sliding_window: int | None) -> None:
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1:]
     block_m = 16 if _interpreting() else _prefill_tile(query.dtype, head_dim,
@@ -151,7 +164,7 @@ def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (num_prefills, num_heads, triton.cdiv(metadata.max_query_len, block_m))
     _prefill_kernel[grid](
         query, k_cache, v_cache, k_scale, v_scale, metadata.block_tables, metadata.context_lens,
-        metadata.cu_seqlens_q, output, scale * LOG2E, metadata.num_decodes,
+        metadata.cu_seqlens_q, output, scale * LOG2E, sliding_window or 0, metadata.num_decodes,
         query.stride(0), query.stride(1), *k_cache.stride()[:3],
         metadata.block_tables.stride(0), output.stride(0), output.stride(1), head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m,
@@ -215,26 +228,29 @@ def _attend_tile(q, k_cache, v_cache, block_table, kv_head, n, n_in, n_valid, d,
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
     scores = tl.where(n_valid, scores, float("-inf"))
     m_new = tl.maximum(row_max, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(row_max - m_new)
+    # A row that has seen no key yet (a window's leading tiles) stays empty, not NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(row_max - m_safe)
     v = tl.load(v_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision="ieee")
     return m_new, row_sum * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window"])
 def _decode_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                   partial, lse, scale_log2, stride_qt, stride_qh, stride_cb, stride_ct, stride_ch,
-                   stride_bt, stride_ps, stride_ph, stride_psplit, stride_ls, stride_lh,
-                   num_splits, head_dim, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   partial, lse, scale_log2, sliding_window, stride_qt, stride_qh, stride_cb,
+                   stride_ct, stride_ch, stride_bt, stride_ps, stride_ph, stride_psplit,
+                   stride_ls, stride_lh, num_splits, head_dim, BLOCK_SIZE: tl.constexpr,
+                   GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     context_len = tl.load(context_lens + seq)
-    split_len = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.where(sliding_window > 0, tl.maximum(context_len - sliding_window, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(context_len - first, num_splits), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, context_len)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -290,22 +306,26 @@ def _merge_splits_kernel(partial, lse, output, stride_ps, stride_ph, stride_pspl
     tl.store(output + seq * stride_ot + head * stride_oh + d, out, mask=d < head_dim)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sliding_window"])
 def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                    cu_seqlens_q, output, scale_log2, num_decodes, stride_qt, stride_qh,
-                    stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh, head_dim,
-                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
+                    cu_seqlens_q, output, scale_log2, sliding_window, num_decodes, stride_qt,
+                    stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
+                    head_dim, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    UPCAST: tl.constexpr):
     seq = num_decodes + tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    # Positions in int32, as the key indices: registers are tight at 64 x 64 tiles.
+    q_len = (tl.load(cu_seqlens_q + seq + 1) - q_start).to(tl.int32)
     if tile * BLOCK_M >= q_len:
         return
-    context_len = tl.load(context_lens + seq)
+    context_len = tl.load(context_lens + seq).to(tl.int32)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     positions = context_len - q_len + rows
+    # A row sees the keys less than `span` positions back: its window, or all before it.
+    span = tl.where(sliding_window > 0, sliding_window, context_len)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < head_dim
     mask = (rows < q_len)[:, None] & d_mask[None, :]
@@ -319,10 +339,14 @@ def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, con
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     end = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
-    for n_start in range(0, end, BLOCK_N):
+    # From the tile's first row's first key, on the grid of key tiles every chunk shares.
+    first_position = context_len - q_len + tile * BLOCK_M
+    start = tl.maximum(first_position - span + 1, 0) // BLOCK_N * BLOCK_N
+    for n_start in range(start, end, BLOCK_N):
         n = n_start + tl.arange(0, BLOCK_N)
         n_in = n < end
-        n_valid = (n[None, :] <= positions[:, None]) & n_in[None, :]
+        back = positions[:, None] - n[None, :]
+        n_valid = (back >= 0) & (back < span) & n_in[None, :]
         row_max, row_sum, acc = _attend_tile(
             q, k_cache, v_cache, block_tables + seq * stride_bt, head // GROUP, n, n_in, n_valid,
             d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,

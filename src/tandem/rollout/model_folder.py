@@ -35,20 +35,16 @@ def eos_token_ids(model_dir: Path, hf_config: PretrainedConfig,
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: PretrainedConfig) -> int:
-    """``config.max_model_len``, or the model's limit (its positions, or its sliding window,
-    which Tandem does not implement); at most that limit.
+    """``config.max_model_len``, or the model's limit (its positions); at most that limit.
+    A sliding window limits what a layer attends to, not the length.
 
     Raises:
         ValueError: for a max_model_len beyond the model's limit.
     """
     limit = hf_config.max_position_embeddings
-    sliding_window = getattr(hf_config, "sliding_window", None)
-    if sliding_window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, sliding_window)  # exact without sliding-window attention
     if config.max_model_len is None:
         return limit
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of "
-                         f"{limit} tokens (max_position_embeddings, or the sliding window, "
-                         "which Tandem does not implement): lower max_model_len.")
+                         f"{limit} tokens (max_position_embeddings): lower max_model_len.")
     return config.max_model_len

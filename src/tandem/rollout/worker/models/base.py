@@ -10,7 +10,8 @@ declare their tensor-parallel split and Hugging Face tensors), and provides:
 - ``forward(input_ids, positions, metadata)``: the final hidden states of a step's tokens;
 - ``input_embedding()``, ``decoder_layers()``, ``attention_layers()`` (each holding
   ``k_cache``/``v_cache`` bound to the pool and ``k_scale``/``v_scale``, an FP8 pool's
-  scales or None, and passing all four to its kernels), and ``linear_groups(layer)``: a layer's
+  scales or None, and passing all four to its kernels, with its ``sliding_window``, an
+  int or None for full attention), and ``linear_groups(layer)``: a layer's
   projections in the order its forward pass runs them, those reading one input as one
   ``FusedProjections``;
 - the class methods ``check_config`` (refuse what the family cannot run) and ``kv_shape``

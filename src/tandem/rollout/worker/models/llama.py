@@ -34,13 +34,18 @@ from .moe import SparseMoeBlock
 from .rotary import RotaryEmbedding, check_rope_type, rotary_dim
 
 Rope = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, cos table, sin table
+# The attention layer types (a config's ``layer_types``) the family runs.
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
 
 class LlamaAttention(nn.Module):
     """Self-attention that writes this step's K/V into the pool and reads through it (an
     FP8 pool through its scales ``k_scale``/``v_scale``, which the runner binds); the
     leading ``rotary_dim`` dimensions of each head rotate (all unless the config rotates
-    part of each head)."""
+    part of each head). ``sliding_window`` (set by the decoder layer from the config,
+    ``sliding_window_of``; None: full attention) limits each token to its last positions."""
+
+    sliding_window: int | None = None
 
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
                  tp: TensorParallel) -> None:
@@ -88,12 +93,14 @@ class LlamaAttention(nn.Module):
         rotated = self.rotary_dim
         self.ops.rotary_embedding(rope[0], q[..., :rotated], k[..., :rotated], rope[1], rope[2])
         scales = self.k_scale, self.v_scale
+        window = self.sliding_window
         if self.ops.causal_attention is not None:  # a trainer's forward: no pool
-            out = self.ops.causal_attention(q, k, v, metadata, self.scale, *scales)
+            out = self.ops.causal_attention(q, k, v, metadata, self.scale, *scales,
+                                            sliding_window=window)
         else:
             self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping, *scales)
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale,
-                                           *scales)
+                                           *scales, sliding_window=window)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
@@ -158,6 +165,7 @@ class LlamaDecoderLayer(nn.Module):
                  tp: TensorParallel, index: int) -> None:
         super().__init__()
         self.self_attn = arch.attention(config, arch, ops, tp)
+        self.self_attn.sliding_window = sliding_window_of(config, index)
         sparse = arch.moe is not None and sparse_layer(config, index)
         self.mlp = arch.moe(config, ops, tp) if sparse else arch.mlp(config, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -220,8 +228,11 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def check_config(cls, config: PretrainedConfig) -> None:
-        """Refuse a rope type or an MLP activation this family does not implement."""
+        """Refuse a rope type, an MLP activation or an attention layer type this family does
+        not implement, and a sliding window under 1."""
         check_rope_type(config, head_dim_of(config))
+        for index in range(config.num_hidden_layers):
+            sliding_window_of(config, index)
         if issubclass(cls.arch.mlp, LlamaMLP) and config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only "
                              "'silu').")
@@ -282,6 +293,33 @@ def sparse_layer(config: PretrainedConfig, index: int) -> bool:
     neither)."""
     return index not in (getattr(config, "mlp_only_layers", None) or []) and \
         (index + 1) % (getattr(config, "decoder_sparse_step", None) or 1) == 0
+
+
+def sliding_window_of(config: PretrainedConfig, index: int) -> int | None:
+    """Layer ``index``'s sliding window W, as transformers applies it: a token attends to its
+    last W positions, its own included; None for full attention. Where the config lists
+    ``layer_types`` (Qwen2, Qwen3, Qwen2-MoE; transformers derives them from
+    ``use_sliding_window`` and ``max_window_layers``), its ``sliding_window`` for a
+    ``"sliding_attention"`` layer; else its ``sliding_window`` for every layer (Mistral,
+    Mixtral, Phi-3, Qwen3-MoE), None where it has none.
+
+    Raises:
+        ValueError: for a layer type other than ``ATTENTION_TYPES``, or a window under 1.
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        layer_type = layer_types[index]
+        if layer_type not in ATTENTION_TYPES:
+            raise ValueError(f"layer_types[{index}] is {layer_type!r}, which Tandem does not "
+                             f"implement: it runs {', '.join(map(repr, ATTENTION_TYPES))}.")
+        if layer_type == "full_attention":
+            window = None
+    if window is not None and window < 1:
+        raise ValueError(f"sliding_window={window} (layer {index}) is invalid: a layer "
+                         "attends to at least its own position, so the window must be at "
+                         "least 1.")
+    return window
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
