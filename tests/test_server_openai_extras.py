@@ -221,8 +221,8 @@ def test_echo_streams_the_prompt_in_each_choices_first_chunk(served, monkeypatch
         model=MODEL, stream=True, **{k: v for k, v in body.items() if k != "ignore_eos"},
         extra_body={"ignore_eos": True}))
     assert asked
-    # running: several chunks per choice; finished: its final output, one chunk per choice
-    assert (len(streamed) == len(whole)) == finished_first
+    if finished_first:  # its final output: one chunk per choice (a running stream has one
+        assert len(streamed) == len(whole)  # or more, as fast as the engine goes)
     for expected in whole:
         chunks = [c.choices[0] for c in streamed if c.choices[0].index == expected["index"]]
         prompt = PROMPTS[expected["index"] // 2]
