@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandem.rollout import LLM, LLMEngine, SamplingParams
-from tandem.rollout.serving.protocol import UNHONOURED
+from tandem.rollout.serving.unhonoured import UNHONOURED
 
 from .test_server import (
     AUTH,
