@@ -30,6 +30,9 @@ engines still alive):
   the one sent.
 - ``bandwidth``: paged decode attention at batch 256, context 1k and 4k, against the device
   copy (target: 60%).
+- ``sliding``: sliding-window decode at batch 32, contexts 4k and 32k, windows 128
+  (GPT-OSS) and 1024 (Gemma 3): the window's K/V bytes per second against the device copy,
+  and the speedup over the same contexts without a window.
 - ``decode``: decode tokens/s, eager against CUDA graphs, at batch 1, 8, 64, 256, with
   overlapped steps and (batch 1 and 256) without; the device's busy fraction at batch 256
   under the torch profiler (issue 46: batch 1 at least 650 tok/s, busy at least 0.9).
@@ -115,6 +118,7 @@ from gpu_check_kernels import (  # noqa: E402
     check_kernels,
     check_long_attention,
     check_resources,
+    check_sliding,
 )
 from gpu_check_moe import check_moe, check_moe_graphs, moe_folder  # noqa: E402
 from gpu_check_quantized import check_quantized_section  # noqa: E402
@@ -210,6 +214,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "ipc": (20, lambda: check_ipc(rec, folder)),
             "receive_decode": (25, lambda: check_receive_decode(rec, folder, work)),
             "bandwidth": (8, lambda: check_bandwidth(rec, shape)),
+            "sliding": (10, lambda: check_sliding(rec, shape)),
             "decode": (35, lambda: check_decode(rec, folder)),
             "nano_bench": (55, lambda: check_nano_bench(rec, folder)),
             "server": (40, lambda: check_server(rec, folder, work)),

@@ -168,9 +168,10 @@ def _copy_bandwidth(device: torch.device, num_bytes: int) -> float:
 
 
 def decode_bandwidth(rec: Recorder, section: str, shape: dict, batch: int, context: int,
-                     copy: float, fp8: bool = False) -> float:
+                     copy: float, fp8: bool = False, window: int | None = None) -> float:
     """Record paged decode attention's K/V bytes read per second, against ``copy``, over a
-    bfloat16 pool or (``fp8``) an FP8 one; returns the seconds per call."""
+    bfloat16 pool or (``fp8``) an FP8 one, under a sliding ``window`` (the bytes its last
+    ``window`` keys hold) or none; returns the seconds per call."""
     from tandem.kernels.triton_attention import paged_decode_attention
 
     query, k_cache, v_cache, metadata = paged_inputs(
@@ -182,11 +183,14 @@ def decode_bandwidth(rec: Recorder, section: str, shape: dict, batch: int, conte
         scales = dict(k_scale=k_scale, v_scale=v_scale)
     decode = functools.partial(paged_decode_attention, query, k_cache, v_cache,
                                metadata.block_tables, metadata.context_lens,
-                               shape["head_dim"] ** -0.5, **scales)
+                               shape["head_dim"] ** -0.5, sliding_window=window, **scales)
     seconds = seconds_per_call(decode, 3 if rec.smoke else 20)
-    kv_bytes = 2 * batch * context * k_cache[0, 0].numel() * k_cache.element_size()
-    rec.record(section, "paged decode attention" + (" (FP8 pool)" if fp8 else ""),
-               batch=batch, context=context, gb_s=round(kv_bytes / seconds / 1e9, 1),
+    keys = min(context, window or context)
+    kv_bytes = 2 * batch * keys * k_cache[0, 0].numel() * k_cache.element_size()
+    name = "paged decode attention" + (" (FP8 pool)" if fp8 else "") + \
+        (f" (window {window})" if window else "")
+    rec.record(section, name, batch=batch, context=context,
+               gb_s=round(kv_bytes / seconds / 1e9, 1),
                of_copy=round(kv_bytes / seconds / copy, 3), microseconds=seconds * 1e6)
     return seconds
 
@@ -197,6 +201,21 @@ def check_bandwidth(rec: Recorder, shape: dict) -> None:
     rec.record("bandwidth", "device copy", gb_s=round(copy / 1e9, 1))
     for context in [64] if rec.smoke else [1024, 4096]:
         decode_bandwidth(rec, "bandwidth", shape, 4 if rec.smoke else 256, context, copy)
+
+
+def check_sliding(rec: Recorder, shape: dict) -> None:
+    """Sliding-window decode at 4k and 32k contexts: GPT-OSS's window (128) and Gemma 3's
+    (1024), the window's K/V bytes per second against the device copy, and the same
+    contexts without a window (a window's decode must cost its window, not the context)."""
+    copy = copy_bandwidth(rec)
+    batch = 4 if rec.smoke else 32
+    for context in [64] if rec.smoke else [4096, 32768]:
+        full = decode_bandwidth(rec, "sliding", shape, batch, context, copy)
+        for window in [16] if rec.smoke else [128, 1024]:
+            seconds = decode_bandwidth(rec, "sliding", shape, batch, context, copy,
+                                       window=window)
+            rec.record("sliding", f"window {window} against full", context=context,
+                       speedup=round(full / seconds, 2))
 
 
 def fp8_pool(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from hypothesis.stateful import (
 )
 
 from tandem.rollout.core import block_manager
-from tandem.rollout.core.block_manager import BlockManager, num_blocks_for
+from tandem.rollout.core.block_manager import NULL_PAGE, BlockManager, num_blocks_for
 from tandem.rollout.core.sequence import Sequence
 from tandem.rollout.sampling_params import SamplingParams
 
@@ -38,31 +38,45 @@ def make_seq(seq_id: int, token_ids: list[int]) -> Sequence:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Sequences come, grow, fork, get preempted and go; the accounting must always add up."""
+    """Sequences come, grow, fork, get preempted and go; the accounting must always add up.
+
+    ``WINDOWS`` are the KV groups' sliding windows (``kv_groups.py``): one full group here;
+    the subclasses below add a full and a sliding group, or a window under a block."""
+
+    WINDOWS: tuple[int | None, ...] = (None,)
+    NUM_BLOCKS = NUM_BLOCKS
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
+        self.manager = BlockManager(self.NUM_BLOCKS, BLOCK_SIZE, windows=self.WINDOWS)
+        self.reserved = self.manager.num_reserved
         self.version = 0
         self.seqs: list[Sequence] = []
         self.content: dict[int, list[int | None]] = {
-            b: [None] * BLOCK_SIZE for b in range(NUM_BLOCKS)}
+            b: [None] * BLOCK_SIZE for b in range(self.NUM_BLOCKS)}
         self.prefix_of_block: dict[int, tuple[int, tuple[int, ...]]] = {}
         self.next_id = 0
 
     def write(self, seq: Sequence, start: int, end: int) -> None:
-        """Compute tokens [start, end) of ``seq`` into its blocks, as the model would."""
+        """Compute tokens [start, end) of ``seq`` into its blocks (each group's page), as
+        the model would."""
         for position in range(start, end):
-            block_id = seq.block_table[position // BLOCK_SIZE]
-            assert self.manager.blocks[block_id].ref_count == 1, "write into a shared block"
-            offset = position % BLOCK_SIZE
-            if offset == 0:
-                self.prefix_of_block.pop(block_id, None)
-            self.content[block_id][offset] = seq.token_ids[position]
-            if offset == BLOCK_SIZE - 1:
-                self.prefix_of_block[block_id] = (self.version,
-                                                  tuple(seq.token_ids[:position + 1]))
+            for table in seq.tables():
+                block_id = table[position // BLOCK_SIZE]
+                assert block_id != NULL_PAGE or not self.reserved, "write into a dropped page"
+                assert self.manager.blocks[block_id].ref_count == 1, "write into a shared block"
+                offset = position % BLOCK_SIZE
+                if offset == 0:
+                    self.prefix_of_block.pop(block_id, None)
+                self.content[block_id][offset] = seq.token_ids[position]
+                if offset == BLOCK_SIZE - 1:
+                    self.prefix_of_block[block_id] = (self.version,
+                                                      tuple(seq.token_ids[:position + 1]))
         seq.num_computed_tokens = end
+
+    def first_needed(self, window: int | None, position: int) -> int:
+        """The first block a sliding group needs for a token at ``position`` (0: full)."""
+        return 0 if window is None else max(position - window + 1, 0) // BLOCK_SIZE
 
     def allocate_and_compute(self, seq: Sequence, budget: int) -> bool:
         """One scheduled step of ``seq``: allocate, check any cache hit, copy, compute."""
@@ -76,13 +90,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = allocation.num_cached_tokens
         assert cached % BLOCK_SIZE == 0 and cached < seq.num_tokens
         assert cached == 0 or admitting
-        for index in range(cached // BLOCK_SIZE):
-            expected = (self.version, tuple(seq.token_ids[:(index + 1) * BLOCK_SIZE]))
-            assert self.prefix_of_block[seq.block_table[index]] == expected
-        if allocation.copy is not None:
-            source, destination = allocation.copy
+        for table, window in zip(seq.tables(), self.WINDOWS, strict=True):
+            for index in range(self.first_needed(window, cached), cached // BLOCK_SIZE):
+                expected = (self.version, tuple(seq.token_ids[:(index + 1) * BLOCK_SIZE]))
+                assert self.prefix_of_block[table[index]] == expected
+        for source, destination in allocation.copies:
             self.content[destination] = list(self.content[source])
         start = seq.num_computed_tokens + cached
+        for table, window in zip(seq.tables(), self.WINDOWS, strict=True):
+            first = self.first_needed(window, start)  # a sliding group: only from its window
+            assert table[:first] == [NULL_PAGE] * first and NULL_PAGE not in table[first:] \
+                or not self.reserved
         assert 1 <= allocation.num_new_tokens <= min(budget, seq.num_tokens - start)
         self.write(seq, start, start + allocation.num_new_tokens)
         return True
@@ -106,13 +124,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from([s for s in self.seqs if not s.num_uncomputed_tokens]))
         seq.token_ids.append(token)
         in_place = self.manager.appends_in_place(seq)
-        before = (list(seq.block_table), list(seq.block_hashes), self.manager.num_free_blocks,
-                  dict(self.manager.cached_block_ids))
+        before = ([list(t) for t in seq.tables()], list(seq.block_hashes),
+                  self.manager.num_free_blocks, dict(self.manager.cached_block_ids))
+        assert not (in_place and self.drops_pages(seq))
         if not self.allocate_and_compute(seq, 1):
             seq.token_ids.pop()
         elif in_place:  # the scheduler skips allocate_slots: it must have changed nothing
-            assert before == (seq.block_table, seq.block_hashes, self.manager.num_free_blocks,
+            assert before == (seq.tables(), seq.block_hashes, self.manager.num_free_blocks,
                               self.manager.cached_block_ids)
+
+    def drops_pages(self, seq: Sequence) -> bool:
+        """True when ``allocate_slots`` would drop a page out of a window of ``seq``
+        (which a decode appending in place may leave for later)."""
+        return any(table[:self.first_needed(window, seq.num_computed_tokens)].count(NULL_PAGE)
+                   < min(self.first_needed(window, seq.num_computed_tokens), len(table))
+                   for table, window in zip(seq.tables(), self.WINDOWS, strict=True))
 
     @precondition(lambda self: any(not s.num_uncomputed_tokens for s in self.seqs))
     @rule(data=st.data())
@@ -156,18 +182,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def reference_counts_match_holders(self) -> None:
-        holders = [0] * NUM_BLOCKS
+        holders = [0] * self.NUM_BLOCKS
         for seq in self.seqs:
-            for block_id in seq.block_table:
-                holders[block_id] += 1
-            assert len(seq.block_table) == num_blocks_for(seq.num_tokens, BLOCK_SIZE)
+            for table in seq.tables():
+                for block_id in table:
+                    holders[block_id] += block_id != NULL_PAGE or not self.reserved
+                assert len(table) == num_blocks_for(seq.num_tokens, BLOCK_SIZE)
         assert [block.ref_count for block in self.manager.blocks] == holders
         empty, cached = self.manager.empty_block_ids, self.manager.cached_free_block_ids
         free = set(empty) | set(cached)
         assert len(free) == self.manager.num_free_blocks == len(empty) + len(cached)
-        assert free == {b for b in range(NUM_BLOCKS) if holders[b] == 0}
-        assert all(self.manager.blocks[b].block_hash is None for b in empty)
-        assert all(self.manager.blocks[b].block_hash is not None for b in cached)
+        assert free == {b for b in range(self.reserved, self.NUM_BLOCKS) if holders[b] == 0}
+        blocks = self.manager.blocks
+        assert all(blocks[b].block_hash is None and blocks[b].owner is None for b in empty)
+        assert all(blocks[b].block_hash is not None or blocks[b].owner is not None
+                   for b in cached)
 
     @invariant()
     def cached_blocks_hold_full_recorded_content(self) -> None:
@@ -176,23 +205,52 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block_id in self.prefix_of_block
             assert block.token_ids == tuple(self.content[block_id])
             assert self.prefix_of_block[block_id][1][-BLOCK_SIZE:] == block.token_ids
+            for group, page in enumerate(block.pages or [], 1):
+                if page is not None:  # another group's page of the same tokens, tied back
+                    assert self.prefix_of_block[page] == self.prefix_of_block[block_id]
+                    assert self.manager.blocks[page].owner == (block_id, group)
 
     @invariant()
     def sequences_see_their_own_tokens(self) -> None:
+        # Every group holds what the next token attends: a sliding one its window.
         for seq in self.seqs:
-            for position in range(seq.num_computed_tokens):
-                block_id = seq.block_table[position // BLOCK_SIZE]
-                assert self.content[block_id][position % BLOCK_SIZE] == seq.token_ids[position]
+            computed = seq.num_computed_tokens
+            for table, window in zip(seq.tables(), self.WINDOWS, strict=True):
+                first = 0 if window is None else max(computed - window + 1, 0)
+                for position in range(first, computed):
+                    block_id = table[position // BLOCK_SIZE]
+                    assert self.content[block_id][position % BLOCK_SIZE] == \
+                        seq.token_ids[position]
 
     def teardown(self) -> None:
         for seq in self.seqs:
             self.manager.free(seq)
-        assert self.manager.num_free_blocks == NUM_BLOCKS
+        assert self.manager.num_free_blocks == self.NUM_BLOCKS - self.reserved
         assert all(block.ref_count == 0 for block in self.manager.blocks)
 
 
 TestBlockManager = BlockManagerMachine.TestCase
 TestBlockManager.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class SlidingGroupsMachine(BlockManagerMachine):
+    """Group 0, another full group and a sliding group of a window over a block."""
+
+    WINDOWS = (None, None, 6)
+    NUM_BLOCKS = 40
+
+
+class NarrowWindowMachine(BlockManagerMachine):
+    """A sliding group whose window is shorter than a block."""
+
+    WINDOWS = (None, 3)
+    NUM_BLOCKS = 28
+
+
+TestSlidingGroups = SlidingGroupsMachine.TestCase
+TestSlidingGroups.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestNarrowWindow = NarrowWindowMachine.TestCase
+TestNarrowWindow.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 
 
 def weak_hash(parent: bytes | None, extra_key: object, token_ids: tuple[int, ...]) -> bytes:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tandem.kernels import attention, cpu_layers, layers
 from tandem.kernels.attention import pool_layout
 
 DTYPES = [torch.float32, torch.bfloat16]
+NORMS = ["rms_norm", "gemma_rms_norm"]  # Llama's, Gemma's (1 + weight)
 ROWS = [1, 5, 300]  # 300 rows of 576 pass the kernels' threading threshold
 
 
@@ -26,16 +28,18 @@ def close(out: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype, ulps: 
     return bool(((out.float() - reference.float()).abs() <= ulps * spacing).all())
 
 
+@pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", ROWS)
-def test_rms_norm_of_a_row_view_with_and_without_residual(dtype, rows):
+def test_rms_norm_of_a_row_view_with_and_without_residual(norm, dtype, rows):
     x = randn(rows, 3 * 576, dtype=dtype, seed=0)[:, 576:1152]  # rows 1728 elements apart
     residual, weight = randn(rows, 576, dtype=dtype, seed=1), randn(576, dtype=dtype, seed=2)
-    out, total = cpu_layers.rms_norm(x, weight, 1e-5, residual)
-    expected, expected_total = layers.rms_norm(x, weight, 1e-5, residual)
+    kernel, reference = getattr(cpu_layers, norm), getattr(layers, norm)
+    out, total = kernel(x, weight, 1e-5, residual)
+    expected, expected_total = reference(x, weight, 1e-5, residual)
     assert torch.equal(total, expected_total)
     assert close(out, expected, dtype, ulps=8 if dtype == torch.float32 else 1)
-    assert close(cpu_layers.rms_norm(x, weight, 1e-5), layers.rms_norm(x, weight, 1e-5),
+    assert close(kernel(x, weight, 1e-5), reference(x, weight, 1e-5),
                  dtype, ulps=8 if dtype == torch.float32 else 1)
 
 
@@ -49,6 +53,34 @@ def test_silu_and_mul_of_the_fused_gate_up_halves(dtype, rows):
         assert torch.equal(out, expected)
     else:
         assert close(out, expected, dtype, ulps=8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS)
+def test_gelu_tanh_and_mul_of_the_fused_gate_up_halves(dtype, rows):
+    # Against float64: the kernel's g sigmoid(2u) keeps the far negative tail, which
+    # torch's float32 0.5 g (1 + tanh u) cancels to zero; gates out past -8.6, where
+    # exp(-2u) would overflow.
+    gate_up = randn(rows, 2 * 576, dtype=dtype, seed=3) * 4
+    gate, up = gate_up.split(576, dim=-1)
+    expected = F.gelu(gate.double(), approximate="tanh") * up.double()
+    assert close(cpu_layers.gelu_tanh_and_mul(gate, up), expected, dtype,
+                 ulps=8 if dtype == torch.float32 else 2)
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "gemma_rms_norm", "gelu_tanh_and_mul"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernel, dtype):
+    # Exact log-probs: the engine's rows and the trainer's come in batches of their own
+    # (300 rows take the threaded path).
+    x, other = randn(300, 576, dtype=dtype, seed=0) * 4, randn(300, 576, dtype=dtype, seed=1)
+    if kernel == "gelu_tanh_and_mul":
+        batch, row = (cpu_layers.gelu_tanh_and_mul(x[rows], other[rows])
+                      for rows in (slice(None), slice(7, 8)))
+    else:
+        batch, row = (getattr(cpu_layers, kernel)(x[rows], other[0], 1e-5, other[rows])[0]
+                      for rows in (slice(None), slice(7, 8)))
+    assert torch.equal(batch[7:8], row)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

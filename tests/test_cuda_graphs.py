@@ -45,11 +45,11 @@ def test_staging_pads_rows_past_the_batch_with_slot_minus_one_and_empty_context(
     graphs.stage(*decode_step([30, 31, 32, 33, 34, 35], [[1, 2]] * 6))
     size = graphs.stage(*decode_step([40, 17, 3], [[3, 4, 5], [6, 7, 0], [8, 0, 0]]))
     assert size == 4
-    assert graphs.buffers.slot_mapping[:4].tolist() == [140, 117, 103, -1]
+    assert graphs.buffers.slot_mapping[0, :4].tolist() == [140, 117, 103, -1]
     assert graphs.buffers.context_lens[:4].tolist() == [40, 17, 3, 0]
     assert graphs.input_ids[:3].tolist() == [7, 8, 9]
     assert graphs.positions[:3].tolist() == [39, 16, 2]
-    assert graphs.buffers.block_tables[:3, :3].tolist() == [[3, 4, 5], [6, 7, 0], [8, 0, 0]]
+    assert graphs.buffers.block_tables[0, :3, :3].tolist() == [[3, 4, 5], [6, 7, 0], [8, 0, 0]]
     metadata = graphs.metadata(size)
     assert metadata.num_decodes == 4 and metadata.cu_seqlens_q.tolist() == [0, 1, 2, 3, 4]
 

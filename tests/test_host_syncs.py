@@ -6,10 +6,11 @@ steady-state overlapped decode steps of engines on the Triton kernels (CUDA's co
 under Triton's interpreter here) with each launch under it: a dense model, a mixture of
 experts (the fused Triton path), an FP8 KV cache, int8 weights, routing replay,
 ``min_tokens``, penalties, top-k/top-p/min-p, top log-probs, seeded and unseeded sampling,
-and grammars (whose steps land at once, but whose launch queues the mask's copy). What
-must read the device is allowed its one read, named here: prompt log-probs
-(``Sampler.prompt_logprobs`` reads its rows), and the exact per-expert loop of a mixture of
-experts (its counts), which is why such a model is not captured in CUDA graphs.
+attention sinks with a logit soft cap, and grammars (whose steps land at once, but whose
+launch queues the mask's copy). What must read the device is allowed its one read, named
+here: prompt log-probs (``Sampler.prompt_logprobs`` reads its rows), and the exact
+per-expert loop of a mixture of experts (its counts), which is why such a model is not
+captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -158,6 +159,17 @@ def test_a_steady_state_decode_step_never_waits_for_the_device(case, llama_dir, 
     kind, engine_args, overrides = CASES[case]
     llm = engine_on_triton(llama_dir if kind == "llama" else qwen3_moe_dir, **engine_args)
     syncs = decode_syncs(llm, SamplingParams(**(BASE | overrides)))
+    assert [str(sync) for sync in syncs.syncs] == []
+
+
+def test_a_decode_step_with_sinks_and_a_softcap_never_waits_for_the_device(llama_dir):
+    """A layer's attention sinks (a parameter, as GPT-OSS's) and logit soft cap (a float,
+    as Gemma 2's) reach the Triton kernels without a read."""
+    llm = engine_on_triton(llama_dir)
+    for layer in llm.engine.runner.model.attention_layers():
+        layer.sinks = torch.nn.Parameter(torch.linspace(-1.0, 1.0, layer.num_heads))
+        layer.logit_softcap = 30.0
+    syncs = decode_syncs(llm, SamplingParams(**BASE))
     assert [str(sync) for sync in syncs.syncs] == []
 
 

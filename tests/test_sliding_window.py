@@ -125,10 +125,12 @@ def test_chunked_prefill_and_a_cached_prefix_beyond_the_window_equal_a_whole_pre
     ("mistral", "float32", "fp8")])  # the kernels dequantize: nothing window-specific
 def test_trainer_logprobs_are_the_engines_bit_for_bit_under_a_window(window_dir, kind, dtype,
                                                                      kv_cache_dtype):
-    # Chunked prefill, groups sharing their prompt's blocks.
+    # Chunked prefill, groups sharing their prompt's blocks; Qwen3's sliding layer in a KV
+    # group of its own (pages of one layer: twice as many for the same bytes).
     path = window_dir(kind)
     llm = LLM(str(path), dtype=dtype, max_model_len=96, max_num_batched_tokens=16,
-              num_kv_blocks=40, block_size=4, kv_cache_dtype=kv_cache_dtype)
+              num_kv_blocks=80 if kind == "qwen3" else 40,
+              block_size=4, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=3,
                             logprobs=0, n=2)
     prompts, completions, sampler_logprobs, _ = sampled(llm, params, PROMPTS)

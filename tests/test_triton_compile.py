@@ -15,7 +15,8 @@ bfloat16, Llama 3 8B in float16), with KV blocks of 16 tokens (the default) and,
 Qwen3-8B, also of 32; and with an FP8 KV pool (``kv_cache_dtype="fp8"``) for sm_90 only,
 Triton converting float8_e4m3fn from sm_89 on. Each attention launch is also recorded under
 sliding windows, whose argument Triton must never specialise on (one binary for every
-window, none included).
+window, none included), and with attention sinks and a logit soft cap (binaries of their
+own: without them both are None constexprs).
 
 Registers per thread, spill stores and loads and the stack frame of each cubin are ptxas's,
 from its verbose log for the very cubin Triton built: what Triton's ``n_regs`` and
@@ -74,7 +75,8 @@ def test_every_jit_function_is_launched_or_called_by_a_launched_kernel(compiled)
     assert compiled["unlaunched"] == []
     kernels = {record["kernel"] for record in compiled["compiled"]}
     assert {"_store_kv_kernel", "_decode_kernel", "_merge_splits_kernel", "_prefill_kernel",
-            "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel"} <= kernels
+            "_rms_norm_kernel", "_rotary_kernel", "_silu_and_mul_kernel",
+            "_gelu_tanh_and_mul_kernel"} <= kernels
 
 
 def test_the_8_bit_matmul_compiles_int8_for_both_targets_and_fp8_for_sm90(compiled):
@@ -156,3 +158,20 @@ def test_a_sliding_window_runs_the_binary_of_none(compiled):
     # launch, and capturing a model's graphs compiles nothing more.
     assert compiled["sliding_windows"] == {
         kernel: ["i32"] for kernel in ("_decode_kernel", "_prefill_kernel")}
+
+
+def test_sinks_and_a_softcap_compile_the_decode_and_prefill_for_both_targets(compiled):
+    # Binaries of their own (a sinks pointer and a float cap where the others have None
+    # constexprs), within the same limits (test_no_kernel_spills covers them too); the merge
+    # of the splits is the one binary it always was.
+    featured = [record for record in compiled["compiled"] if "sinks" in record["pointers"]]
+    assert {(record["kernel"], record["target"]) for record in featured} == {
+        (kernel, target) for kernel in ("_decode_kernel", "_prefill_kernel")
+        for target in TARGETS}
+    assert all(record["error"] is None and "softcap_log2" not in record["constexprs"]
+               for record in featured)
+    assert {record["pointers"]["sinks"] for record in featured} == {"*fp32", "*bf16", "*fp16"}
+    plain = [record for record in compiled["compiled"] if record["kernel"] == "_prefill_kernel"
+             and "sinks" not in record["pointers"]]
+    assert plain and all(record["constexprs"]["softcap_log2"] is None
+                         and record["constexprs"]["sinks"] is None for record in plain)

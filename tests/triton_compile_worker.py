@@ -1,11 +1,11 @@
 """Run by test_triton_compile.py, without ``TRITON_INTERPRET``: compile every Tandem Triton
 kernel ahead of time for sm_80 and sm_90 and write the results as JSON.
 
-The launches compiled are the launchers' own. For each model geometry one engine step (norms,
-rotary, ``store_kv``, decode and prefill attention, the split decode and its merge, each
-attention also under a sliding window, ``silu_and_mul``, exact log-probs' batch-invariant
-attention and matmul, and the matmul of 8-bit weights, int8 for every target and fp8 for
-sm_90) runs on meta
+The launches compiled are the launchers' own. For each model geometry one engine step
+(Llama's and Gemma's norms, rotary, ``store_kv``, decode and prefill attention, the split
+decode and its merge, each attention also under a sliding window, ``silu_and_mul`` and
+``gelu_tanh_and_mul``, exact log-probs' batch-invariant attention and matmul, and the matmul
+of 8-bit weights, int8 for every target and fp8 for sm_90) runs on meta
 tensors with every ``@triton.jit`` function of the kernel modules replaced by a recorder, so
 the constexprs, pointer dtypes, ``num_warps`` and integer specialisations are exactly what
 the engine would launch. Each distinct launch is then
@@ -77,6 +77,9 @@ MAX_POSITION = 512
 # The sliding windows launched beside none (0): Mistral's, one key (an int Triton would
 # otherwise specialise as a constant), and one not a multiple of 16.
 SLIDING_WINDOWS = (4096, 1, 17)
+# Each attention also launched with attention sinks (GPT-OSS's, in the model's dtype) and
+# Gemma 2's logit soft cap at once: each kernel's most code (each alone takes a branch of it).
+SOFTCAP = 50.0
 QUANTIZED_CODES = (torch.int8, torch.float8_e4m3fn)
 # fp8 e4m3 converts on compute capability 8.9 and newer only (the engine refuses it below,
 # dispatch.check_quantized): its launches compile for sm_90 alone.
@@ -213,8 +216,9 @@ def run_step(geometry: Geometry) -> None:
     tokens = NUM_DECODES + PREFILL_LEN
     hidden = _meta(tokens, g.hidden_size, dtype=dtype)
     weight = _meta(g.hidden_size, dtype=dtype)
-    triton_layers.rms_norm(hidden, weight, 1e-6)
-    triton_layers.rms_norm(hidden, weight, 1e-6, residual=hidden)
+    for norm in (triton_layers.rms_norm, triton_layers.gemma_rms_norm):  # Llama's, Gemma's
+        norm(hidden, weight, 1e-6)
+        norm(hidden, weight, 1e-6, residual=hidden)
     q = _meta(tokens, g.num_heads * g.head_dim, dtype=dtype).view(tokens, g.num_heads, -1)
     k = _meta(tokens, g.num_kv_heads * g.head_dim, dtype=dtype).view(tokens, g.num_kv_heads, -1)
     v = torch.empty_like(k)
@@ -234,8 +238,16 @@ def run_step(geometry: Geometry) -> None:
             q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
             metadata.context_lens[:NUM_DECODES], scale, num_splits=4, k_scale=k_scale,
             v_scale=v_scale, sliding_window=window)
+    logits = dict(sinks=_meta(g.num_heads, dtype=dtype), softcap=SOFTCAP)
+    triton_attention.paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale,
+                                     **logits)
+    triton_attention.paged_decode_attention(
+        q[:NUM_DECODES], k_cache, v_cache, metadata.block_tables[:NUM_DECODES],
+        metadata.context_lens[:NUM_DECODES], scale, num_splits=4, k_scale=k_scale,
+        v_scale=v_scale, **logits)
     gate = _meta(tokens, g.intermediate_size, dtype=dtype)
     triton_layers.silu_and_mul(gate, torch.empty_like(gate))
+    triton_layers.gelu_tanh_and_mul(gate, torch.empty_like(gate))  # Gemma's MLP
     # exact_logprobs: every query through the prefill kernel, every projection through the
     # fixed-tile matmul (with a bias, as Qwen2's q/k/v).
     for window in (None, *SLIDING_WINDOWS):
@@ -375,12 +387,19 @@ def error_text(error: BaseException, limit: int = 4000) -> str:
 
 
 def unlaunched(launches: list[Launch]) -> list[str]:
-    """Jit functions neither launched nor named in a launched kernel's source (helpers)."""
-    launched = {launch.kernel for launch in launches}
-    sources = "\n".join(kernel.src for kernel in launched)
-    return sorted(f"{module.__name__}.{name}" for module in KERNEL_MODULES
-                  for name, kernel in jit_functions(module).items()
-                  if kernel not in launched and f"{name}(" not in sources)
+    """Jit functions neither launched nor called by a launched kernel (helpers, and the
+    helpers they call)."""
+    functions = {(module.__name__, name): kernel for module in KERNEL_MODULES
+                 for name, kernel in jit_functions(module).items()}
+    reached = {launch.kernel for launch in launches}
+    while True:
+        sources = "\n".join(kernel.src for kernel in reached)
+        called = {kernel for (_, name), kernel in functions.items() if f"{name}(" in sources}
+        if called <= reached:
+            break
+        reached |= called
+    return sorted(f"{module}.{name}" for (module, name), kernel in functions.items()
+                  if kernel not in reached)
 
 
 def launch_targets(launch: Launch) -> tuple[str, ...]:

@@ -24,12 +24,19 @@ A layer with a sliding window ``W`` (``sliding_window``; None: full attention) a
 a query at position q, the keys at positions q - W < k <= q: its last W positions, its own
 included (transformers' ``sliding_window_overlay``). Every kernel takes it, and reads only
 the blocks that hold keys inside a query's window; the blocks before stay in the pool.
+
+Two more per-layer features, in every kernel. Attention sinks (``sinks``, GPT-OSS's learned
+logit per query head, ``[num_heads]``): each head's sink joins its softmax's denominator and
+contributes no value, ``out = sum_j e^(s_j) v_j / (sum_j e^(s_j) + e^(sink))`` (a row that
+sees no key gives zeros). Logit soft-capping (``softcap``, Gemma 2's
+``attn_logit_softcapping``): each scaled score becomes ``softcap * tanh(score / softcap)``
+before the mask, and before the sink joins. Both are computed in float32; None: neither.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +131,10 @@ class AttentionMetadata:
     ``num_decodes`` sequences have one query token each; ``max_query_len`` is the longest
     query chunk (known on the host, so kernels can size their grids without a device sync).
     ``cascade``, set by the runner for kernels that use it, lays the decodes out for cascade
-    attention (the others ignore it).
+    attention (the others ignore it). With KV groups (the pool's pages shared by full and
+    sliding layers, ``rollout/core/kv_groups.py``) this is group 0's metadata and
+    ``kv_groups`` the other groups', each with its own ``slot_mapping`` and
+    ``block_tables`` (and no cascade): a layer reads its group's (``of_group``).
     """
 
     slot_mapping: torch.Tensor
@@ -134,36 +144,48 @@ class AttentionMetadata:
     num_decodes: int
     max_query_len: int = 1
     cascade: CascadeLayout | None = None
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
+
+    def of_group(self, group: int) -> AttentionMetadata:
+        """The metadata of KV group ``group`` (0: this one)."""
+        return self.kv_groups[group - 1] if group else self
 
 
 class DecodeBuffers:
     """The static attention metadata of captured decode steps (``AttentionMetadata``'s
     format): buffers of ``max_size`` sequences that a step's metadata is copied into, the
-    rows past it padding (slot -1: nothing written; context 0: nothing read)."""
+    rows past it padding (slot -1: nothing written; context 0: nothing read); with
+    ``num_groups`` KV groups, a slot mapping and block tables per group."""
 
-    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
-        self.slot_mapping = torch.full((max_size,), -1, dtype=torch.long, device=device)
+    def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device,
+                 num_groups: int = 1) -> None:
+        self.slot_mapping = torch.full((num_groups, max_size), -1, dtype=torch.long,
+                                       device=device)
         self.context_lens = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.long,
-                                        device=device)
+        self.block_tables = torch.zeros(num_groups, max_size, max_blocks_per_seq,
+                                        dtype=torch.long, device=device)
         self.cu_seqlens_q = torch.arange(max_size + 1, dtype=torch.long, device=device)
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The metadata of a ``size``-sequence decode step, over the buffers."""
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+        groups = [AttentionMetadata(
+            slot_mapping=self.slot_mapping[group, :size],
+            block_tables=self.block_tables[group, :size],
             context_lens=self.context_lens[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-            num_decodes=size, max_query_len=1)
+            num_decodes=size, max_query_len=1) for group in range(len(self.slot_mapping))]
+        groups[0].kv_groups = groups[1:]
+        return groups[0]
 
     def stage(self, metadata: AttentionMetadata, size: int) -> None:
         """Copy a decode step's metadata in, its rows up to ``size`` padding."""
         num_seqs = metadata.context_lens.shape[0]
-        self.slot_mapping[:num_seqs].copy_(metadata.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
         self.context_lens[:num_seqs].copy_(metadata.context_lens)
         self.context_lens[num_seqs:size].fill_(0)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
+        for group, group_metadata in enumerate([metadata, *metadata.kv_groups]):
+            self.slot_mapping[group, :num_seqs].copy_(group_metadata.slot_mapping)
+            self.slot_mapping[group, num_seqs:size].fill_(-1)
+            width = group_metadata.block_tables.shape[1]
+            self.block_tables[group, :num_seqs, :width].copy_(group_metadata.block_tables)
 
     def pad(self) -> None:
         """Make every row padding (a capture runs over them)."""
@@ -210,26 +232,68 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     metadata: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool
     (an FP8 one read through its ``k_scale``/``v_scale``).
 
     Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
     its own sequence at positions up to its own, and with a ``sliding_window`` W only to the
-    last W of them (its own included). Returns ``[num_tokens, num_heads, head_dim]``.
+    last W of them (its own included); each head's softmax with its ``sinks`` logit, over
+    scores soft-capped at ``softcap`` (see the module docstring). Returns ``[num_tokens,
+    num_heads, head_dim]``.
     """
     pool = _Pool(k_cache, v_cache, k_scale, v_scale)
+    logits = _Logits(scale, sliding_window, None if sinks is None else sinks.float(), softcap)
     output = torch.empty_like(query)
     num_decodes = metadata.num_decodes
     if num_decodes:
-        output[:num_decodes] = _decode_attention(query[:num_decodes], pool, metadata, scale,
-                                                 sliding_window)
-    _attend_prefills(query, pool, metadata, scale, output, sliding_window)
+        output[:num_decodes] = _decode_attention(query[:num_decodes], pool, metadata, logits)
+    _attend_prefills(query, pool, metadata, logits, output)
     return output
 
 
+@dataclass(frozen=True, slots=True)
+class _Logits:
+    """What turns one layer's scores into probabilities: its ``scale``, its ``window``, its
+    heads' ``sinks`` (float32) and its ``softcap``."""
+
+    scale: float
+    window: int | None
+    sinks: torch.Tensor | None
+    softcap: float | None
+
+
+def _soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` (a new tensor), or ``scores`` for no cap."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _sink_softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The softmax of ``scores`` over their last dimension with ``sinks`` (broadcast to one
+    column; None: no sink) as one more column, that column dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1]
+
+
+def softmax_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                      softcap: float | None = None) -> torch.Tensor:
+    """Attention written out, for what SDPA cannot do (sinks, a soft cap): ``query``
+    ``[heads, queries, head_dim]`` against ``keys`` and ``values`` ``[heads, keys,
+    head_dim]`` (repeated for GQA) where ``mask`` ``[queries, keys]`` is True, the scores
+    soft-capped, each head's ``sinks`` logit joining its softmax. Differentiable in every
+    tensor; returns ``[heads, queries, head_dim]``."""
+    scores = _soft_cap(torch.matmul(query, keys.transpose(-1, -2)) * scale, softcap)
+    probs = _sink_softmax(scores.masked_fill(~mask, MASKED),
+                         None if sinks is None else sinks[:, None, None])
+    return torch.matmul(probs, values)
+
+
 def _attend_prefills(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
-                     scale: float, output: torch.Tensor, window: int | None) -> None:
+                     logits: _Logits, output: torch.Tensor) -> None:
     """Write the attention of the step's prefill chunks (the query tokens after the
     decodes') into the same rows of ``output``, one sequence at a time."""
     num_decodes = metadata.num_decodes
@@ -240,7 +304,7 @@ def _attend_prefills(query: torch.Tensor, pool: _Pool, metadata: AttentionMetada
     for s in range(num_decodes, len(context_lens)):
         start, end = starts[s], starts[s + 1]
         output[start:end] = _prefill_attention(
-            query[start:end], pool, metadata.block_tables[s], context_lens[s], scale, window)
+            query[start:end], pool, metadata.block_tables[s], context_lens[s], logits)
 
 
 def pool_rows(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -274,17 +338,17 @@ def _upcast(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-def _scores(query: torch.Tensor, pool: _Pool,
-            runs: BlockRuns) -> tuple[torch.Tensor, torch.Tensor]:
+def _scores(query: torch.Tensor, pool: _Pool, runs: BlockRuns,
+            logits: _Logits) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked scores of ``query`` ``[kv_heads, runs, rows, head_dim]`` (already scaled)
-    against its run's tokens, ``[kv_heads, runs, rows, tokens]``, and the run's values
-    ``[kv_heads, runs, tokens, head_dim]``."""
+    against its run's tokens, soft-capped by ``logits``, ``[kv_heads, runs, rows, tokens]``,
+    and the run's values ``[kv_heads, runs, tokens, head_dim]``."""
     num_runs = runs.bias.shape[0]
     if runs.rows is None:
         runs.rows = pool_rows(pool.k_cache, runs.block_ids)
     keys = pool.keys(runs.rows, num_runs)
-    scores = torch.matmul(query, keys.transpose(-1, -2)).add_(runs.bias[:, None, :])
-    return scores, pool.values(runs.rows, num_runs)
+    scores = _soft_cap(torch.matmul(query, keys.transpose(-1, -2)), logits.softcap)
+    return scores.add_(runs.bias[:, None, :]), pool.values(runs.rows, num_runs)
 
 
 def _decode_layout(metadata: AttentionMetadata, block_size: int,
@@ -300,22 +364,26 @@ def _decode_layout(metadata: AttentionMetadata, block_size: int,
 
 
 def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetadata,
-                      scale: float, window: int | None) -> torch.Tensor:
+                      logits: _Logits) -> torch.Tensor:
     """One query token per decode, all decodes batched; a cascade when ``metadata.cascade``
-    groups them (and no ``window`` cuts into their contexts: a window's blocks are read per
+    groups them (and no window cuts into their contexts: a window's blocks are read per
     decode, ``_decode_layout``).
 
     In the cascade, each group's scores against its shared blocks are computed once, with
     all its members' queries in one matmul, then copied out per decode beside the decode's
-    scores against its own blocks; one softmax over both normalises them together.
+    scores against its own blocks; one softmax over both (and the sinks) normalises them
+    together.
     """
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = pool.k_cache.shape[2]
-    heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * scale
-    layout = _decode_layout(metadata, pool.k_cache.shape[1], window)
-    scores, values = _scores(heads, pool, layout.own)
+    heads = _upcast(query).view(num_decodes, num_kv_heads, -1, head_dim).transpose(0, 1) * \
+        logits.scale
+    # Head h = kv_head * group + g: its sink is row g of its KV head's.
+    sinks = None if logits.sinks is None else logits.sinks.view(num_kv_heads, 1, -1, 1)
+    layout = _decode_layout(metadata, pool.k_cache.shape[1], logits.window)
+    scores, values = _scores(heads, pool, layout.own, logits)
     if layout.shared is None:
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)
+        out = torch.matmul(_sink_softmax(scores, sinks), values)
     else:
         rows = heads.shape[2]
         num_groups, width = layout.members.shape
@@ -327,9 +395,9 @@ def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetad
 
         grouped_query = heads.index_select(1, members).view(num_kv_heads, num_groups, -1,
                                                             head_dim)
-        shared_scores, shared_values = _scores(grouped_query, pool, layout.shared)
+        shared_scores, shared_values = _scores(grouped_query, pool, layout.shared, logits)
         num_shared = shared_scores.shape[-1]
-        probs = torch.softmax(torch.cat([per_decode(shared_scores), scores], dim=-1), dim=-1)
+        probs = _sink_softmax(torch.cat([per_decode(shared_scores), scores], dim=-1), sinks)
         shared_probs = probs[..., :num_shared].index_select(1, members)
         shared_out = torch.matmul(shared_probs.view(num_kv_heads, num_groups, -1, num_shared),
                                   shared_values)
@@ -338,10 +406,11 @@ def _decode_attention(query: torch.Tensor, pool: _Pool, metadata: AttentionMetad
 
 
 def _prefill_attention(query: torch.Tensor, pool: _Pool, block_table: torch.Tensor,
-                       context_len: int, scale: float, window: int | None) -> torch.Tensor:
+                       context_len: int, logits: _Logits) -> torch.Tensor:
     """One sequence's query chunk, the last ``len(query)`` of its ``context_len`` tokens;
-    with a ``window``, from the block holding its first query's first key on."""
-    output_dtype = query.dtype
+    with a window, from the block holding its first query's first key on. SDPA where it
+    can; written out (``softmax_attention``) with sinks or a soft cap."""
+    output_dtype, scale, window = query.dtype, logits.scale, logits.window
     block_size = pool.k_cache.shape[1]
     num_query = query.shape[0]
     windowed = window is not None and window < context_len
@@ -356,15 +425,30 @@ def _prefill_attention(query: torch.Tensor, pool: _Pool, block_table: torch.Tens
     # Four-dimensional inputs with the key/value heads repeated reach SDPA's flash kernel on
     # CPU; three-dimensional or enable_gqa ones take its math path, 3-6x slower at 564 tokens.
     keys, values = (t.repeat_interleave(num_groups, 0)[None] for t in (keys, values))
-    if num_query == context_len and not windowed:
+    explicit = logits.sinks is not None or logits.softcap is not None
+    if num_query == context_len and not windowed and not explicit:
         out = F.scaled_dot_product_attention(query[None], keys, values, is_causal=True,
                                              scale=scale)
     else:
-        query_pos = torch.arange(context_len - num_query, context_len, device=query.device)
-        key_pos = torch.arange(skipped, context_len, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        if windowed:
-            mask &= key_pos[None, :] > query_pos[:, None] - window
-        out = F.scaled_dot_product_attention(query[None], keys, values, attn_mask=mask,
-                                             scale=scale)
+        mask = _chunk_mask(context_len, num_query, skipped, window if windowed else None,
+                           query.device)
+        if explicit:
+            out = softmax_attention(query, keys[0], values[0], mask, scale, logits.sinks,
+                                    logits.softcap)[None]
+        else:
+            out = F.scaled_dot_product_attention(query[None], keys, values, attn_mask=mask,
+                                                 scale=scale)
     return out[0].transpose(0, 1).to(output_dtype)
+
+
+def _chunk_mask(context_len: int, num_query: int, first_key: int, window: int | None,
+                device: torch.device) -> torch.Tensor:
+    """``[num_query, context_len - first_key]``: True where the chunk's query (the last
+    ``num_query`` of ``context_len`` positions) sees the key at ``first_key`` + column: at or
+    before its own position, and within its ``window``."""
+    query_pos = torch.arange(context_len - num_query, context_len, device=device)
+    key_pos = torch.arange(first_key, context_len, device=device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > query_pos[:, None] - window
+    return mask

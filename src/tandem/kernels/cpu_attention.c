@@ -21,6 +21,12 @@
  * p - W < k <= p. A tile reads the keys from its first token's first one; each row's
  * softmax covers its own window, the keys before it weighted 0 (an exact no-op in the value
  * sums, as the keys past its position), so a token's bits still do not depend on its tile.
+ *
+ * With attention sinks (sinks: a logit per query head) each row's softmax takes its head's
+ * sink as one more term of its maximum and its sum, which weights no value. With a soft cap
+ * (softcap > 0) each score a row sees becomes softcap * tanh(score / softcap) first. Both are
+ * per row, on the row's own columns from its window's first key, so a token's bits still do
+ * not depend on its tile.
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,6 +53,7 @@ struct attention_args {
     const int64_t *query_starts;   /* [num_seqs + 1]: each sequence's first query row */
     const float *k_scale, *v_scale; /* [num_kv_heads]; an FP8 pool's only, else NULL */
     const float *fp8_values;       /* [256]: each e4m3 byte's value; an FP8 pool's only */
+    const float *sinks;            /* [num_heads]: each query head's sink logit, or NULL */
     int64_t block_table_stride;
     int64_t query_stride_seq, query_stride_head;
     int64_t output_stride_seq, output_stride_head;
@@ -54,6 +61,7 @@ struct attention_args {
     int64_t cache_stride_block, cache_stride_token, cache_stride_head;
     int64_t sliding_window; /* W: a token sees its last W positions; 0: all before it */
     float scale;
+    float softcap;     /* the scores' soft cap; 0: none */
     int32_t bf16;      /* the query and output: FORMAT_FLOAT32 or FORMAT_BFLOAT16 */
     int32_t kv_format; /* the pool: the query's format, or FORMAT_FP8_E4M3 */
 };
@@ -183,33 +191,69 @@ static inline vfloat exp_nonpositive(vfloat x) {
     return p * (vfloat)((127 - k) << 23);
 }
 
-/* Each row of scores in place becomes its softmax. */
-static void softmax_rows(float *scores, int64_t group, int64_t context_len) {
-    for (int64_t g = 0; g < group; g++) {
-        float *row = scores + g * context_len;
-        float max = row[0];
+/* The n scores of `row` in place become their softmax; with a `sink` (else NULL), the
+ * softmax with *sink as one more score, whose probability is dropped. */
+static void softmax_row(float *row, int64_t n, const float *sink) {
+    float max = sink && *sink > row[0] ? *sink : row[0];
 #pragma omp simd reduction(max : max)
-        for (int64_t t = 1; t < context_len; t++)
-            max = row[t] > max ? row[t] : max;
-        vfloat sums = {0};
-        int64_t t = 0;
-        for (; t + LANES <= context_len; t += LANES) {
-            vfloat e = exp_nonpositive(load_vector(row + t) - max);
-            memcpy(row + t, &e, sizeof e);
-            sums += e;
-        }
-        float sum = 0.0f;
-        for (int i = 0; i < LANES; i++)
-            sum += sums[i];
-        for (; t < context_len; t++) {
-            row[t] = expf(row[t] - max);
-            sum += row[t];
-        }
-        float inverse = 1.0f / sum;
-#pragma omp simd
-        for (int64_t t = 0; t < context_len; t++)
-            row[t] *= inverse;
+    for (int64_t t = 1; t < n; t++)
+        max = row[t] > max ? row[t] : max;
+    vfloat sums = {0};
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        vfloat e = exp_nonpositive(load_vector(row + t) - max);
+        memcpy(row + t, &e, sizeof e);
+        sums += e;
     }
+    float sum = 0.0f;
+    for (int i = 0; i < LANES; i++)
+        sum += sums[i];
+    for (; t < n; t++) {
+        row[t] = expf(row[t] - max);
+        sum += row[t];
+    }
+    if (sink)
+        sum += expf(*sink - max);
+    float inverse = 1.0f / sum;
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++)
+        row[t] *= inverse;
+}
+
+/* tanh(x) in every lane: sign(x) (1 - e) / (1 + e) with e = exp(-2|x|) <= 1. The sign is
+ * moved as a bit (under -ffast-math a -0.0f constant need not keep its sign). */
+static inline vfloat tanh_vector(vfloat x) {
+    const vint sign_bit = (vint){0} + INT32_MIN;
+    const vint sign = (vint)x & sign_bit;
+    const vfloat e = exp_nonpositive((vfloat)((vint)x | sign_bit) * 2.0f);
+    const vfloat magnitude = (1.0f - e) / (1.0f + e);
+    return (vfloat)((vint)magnitude | sign);
+}
+
+/* The n scores of `row` in place become softcap * tanh(score / softcap), LANES at a time,
+ * the last ones through a padded vector: every score takes the same arithmetic. */
+static void soft_cap(float *row, int64_t n, float softcap) {
+    for (int64_t t = 0; t < n; t += LANES) {
+        const int64_t count = n - t < LANES ? n - t : LANES;
+        vfloat x = {0};
+        memcpy(&x, row + t, count * sizeof(float));
+        x = tanh_vector(x / softcap) * softcap;
+        memcpy(row + t, &x, count * sizeof(float));
+    }
+}
+
+/* Row `row` of a tile's scores (num_keys columns) in place becomes query head `head`'s
+ * probabilities: its columns [from, seen) soft-capped and softmaxed with the head's sink,
+ * the others 0. A row that sees no key stays 0. */
+static void row_probabilities(const struct attention_args *a, float *row, int64_t from,
+                              int64_t seen, int64_t num_keys, int64_t head) {
+    memset(row, 0, from * sizeof(float));
+    if (seen > from) {
+        if (a->softcap > 0.0f)
+            soft_cap(row + from, seen - from, a->softcap);
+        softmax_row(row + from, seen - from, a->sinks ? a->sinks + head : NULL);
+    }
+    memset(row + seen, 0, (num_keys - seen) * sizeof(float));
 }
 
 /* The query tokens of one prefill task: at most MAX_TILE_ROWS rows of `group` heads each. */
@@ -368,13 +412,8 @@ static void attend_tile(const struct attention_args *a, int64_t seq, int64_t kv_
     tile_scores(a, rows, num_keys, num_rows, queries, scores, num_keys);
     for (int64_t r = 0; r < num_rows; r++) { /* row r sees its columns [from, seen) */
         const int64_t position = first_position + r / group;
-        const int64_t from = first_key(a, position) - first_read;
-        const int64_t seen = position + 1 - first_read;
-        float *row = scores + r * num_keys;
-        memset(row, 0, from * sizeof(float));
-        if (seen > from)
-            softmax_rows(row + from, 1, seen - from);
-        memset(row + seen, 0, (num_keys - seen) * sizeof(float));
+        row_probabilities(a, scores + r * num_keys, first_key(a, position) - first_read,
+                          position + 1 - first_read, num_keys, kv_head * group + r % group);
     }
     weighted_values(a, rows, num_keys, num_rows, scores, num_keys, sums);
     if (a->v_scale) /* and the value scale into the sums: sum p (v s) = s sum p v */

@@ -11,8 +11,9 @@ the same arithmetic without the copies (``benchmarks/cpu_backends.py``). An FP8 
 bytes are read through a table of their float32 values (torch's own conversion of each of
 the 256), its key scale folded into the query's and its value scale into the output. Under
 a sliding window a task reads the keys from its first token's window on, never the blocks
-before. Built and loaded by ``cpu_build.py``; where it does not build, the engine takes the
-reference.
+before. Attention sinks (a float32 copy of them) join each row's softmax, and a soft cap
+bends each row's scores before it. Built and loaded by ``cpu_build.py``; where it does not
+build, the engine takes the reference.
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ class _AttentionArgs(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("query", "output", "k_cache", "v_cache", "block_tables", "context_lens",
-                 "query_starts", "k_scale", "v_scale", "fp8_values")] + [
+                 "query_starts", "k_scale", "v_scale", "fp8_values", "sinks")] + [
         (name, ctypes.c_int64) for name in (
             "block_table_stride", "query_stride_seq", "query_stride_head",
             "output_stride_seq", "output_stride_head", "num_heads", "num_kv_heads",
             "head_dim", "block_size", "cache_stride_block", "cache_stride_token",
             "cache_stride_head", "sliding_window")] + [
-        ("scale", ctypes.c_float), ("bf16", ctypes.c_int32), ("kv_format", ctypes.c_int32)]
+        ("scale", ctypes.c_float), ("softcap", ctypes.c_float), ("bf16", ctypes.c_int32),
+        ("kv_format", ctypes.c_int32)]
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -61,10 +63,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     metadata: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """``attention.paged_attention``'s result, by the compiled kernels: the decodes (the
     first ``metadata.num_decodes`` query tokens), then the prefill chunks; with a
-    ``sliding_window``, each tile reading the keys from its first token's window on.
+    ``sliding_window``, each tile reading the keys from its first token's window on; with
+    ``sinks`` and a ``softcap``, each row's softmax taking them.
 
     Falls back to the reference for inputs the kernels do not take (``supports``).
 
@@ -73,10 +77,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """
     if not supports(query, k_cache) or k_cache.stride() != v_cache.stride():
         return attention.paged_attention(query, k_cache, v_cache, metadata, scale, k_scale,
-                                         v_scale, sliding_window)
+                                         v_scale, sliding_window, sinks, softcap)
     output = torch.empty(query.shape, dtype=query.dtype)
     args = _attention_args(query, k_cache, v_cache, metadata, scale, output, k_scale, v_scale,
-                           sliding_window)
+                           sliding_window, sinks, softcap)
     num_seqs, num_decodes = len(metadata.context_lens), metadata.num_decodes
     threads = torch.get_num_threads()
     status = 0
@@ -97,24 +101,27 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _attention_args(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     metadata: AttentionMetadata, scale: float, output: torch.Tensor,
                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                    sliding_window: int | None) -> _AttentionArgs:
+                    sliding_window: int | None, sinks: torch.Tensor | None,
+                    softcap: float | None) -> _AttentionArgs:
     """The kernels' arguments, holding on to the int64 and float32 copies they point into
-    (the scales and the e4m3 table for an FP8 pool only); a window of 0 is none."""
+    (the scales and the e4m3 table for an FP8 pool only, the sinks where there are); a
+    window or a soft cap of 0 is none."""
     block_tables = metadata.block_tables.to(torch.int64).contiguous()
     context_lens = metadata.context_lens.to(torch.int64).contiguous()
     query_starts = metadata.cu_seqlens_q.to(torch.int64).contiguous()
     fp8 = k_cache.dtype == FP8
     scales = [s.float().contiguous() if fp8 else None for s in (k_scale, v_scale)]
     table = _fp8_values() if fp8 else None
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
     args = _AttentionArgs(
         query.data_ptr(), output.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         block_tables.data_ptr(), context_lens.data_ptr(), query_starts.data_ptr(),
-        *(None if t is None else t.data_ptr() for t in (*scales, table)),
+        *(None if t is None else t.data_ptr() for t in (*scales, table, sinks)),
         block_tables.stride(0), query.stride(0), query.stride(1), output.stride(0),
         output.stride(1), query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1],
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), sliding_window or 0, scale,
-        DTYPES[query.dtype], FP8_FORMAT if fp8 else DTYPES[query.dtype])
-    args.tensors = (block_tables, context_lens, query_starts, *scales, table)
+        softcap or 0.0, DTYPES[query.dtype], FP8_FORMAT if fp8 else DTYPES[query.dtype])
+    args.tensors = (block_tables, context_lens, query_starts, *scales, table, sinks)
     return args
 
 

@@ -1,11 +1,13 @@
 /* A decoder layer's per-token operations on CPU, one pass each: RMSNorm with the residual add
- * fused in, rotary embedding in place, the SiLU-gated product, and the write of K/V rows into
- * the block pool. Each replaces several torch operations (each a pass over memory and a
- * dispatch), which at a few rows per step cost more than their arithmetic.
+ * fused in (Llama's, or Gemma's scaling by 1 + weight), rotary embedding in place, the SiLU-
+ * and GELU-tanh-gated products, and the write of K/V rows into the block pool. Each replaces
+ * several torch operations (each a pass over memory and a dispatch), which at a few rows per
+ * step cost more than their arithmetic.
  *
  * The arithmetic is the torch references' (layers.py, attention.py): every value a torch
  * bfloat16 operation would round is rounded here too (round_bf16), so bfloat16 results match
- * them but for the order of RMSNorm's sum of squares. Element strides throughout; the last
+ * them but for the order of RMSNorm's sum of squares and GELU's form (gelu_tanh: nearer
+ * float64 than torch's where the two differ). Element strides throughout; the last
  * dimension of every tensor is contiguous. Built and loaded by cpu_build.py.
  */
 #include <math.h>
@@ -33,8 +35,11 @@ static inline float in_dtype(float value, int bf16) {
     return bf16 ? round_bf16(value) : value;
 }
 
+/* With `unit_offset` (Gemma's norm) the normalised value is scaled by 1 + weight in float32
+ * and rounded once; else (Llama's) it is rounded, then scaled by the weight. */
 static inline void rms_norm_row(const void *x, const void *residual, const void *weight,
-                                void *out, void *sum_out, int64_t cols, float eps, int bf16) {
+                                void *out, void *sum_out, int64_t cols, float eps, int bf16,
+                                int unit_offset) {
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
     for (int64_t c = 0; c < cols; c++) {
@@ -51,17 +56,20 @@ static inline void rms_norm_row(const void *x, const void *residual, const void 
     const void *source = residual ? sum_out : x;
 #pragma omp simd
     for (int64_t c = 0; c < cols; c++) {
-        float normed = in_dtype(load(source, c, bf16) * inverse, bf16);
-        store(out, c, load(weight, c, bf16) * normed, bf16);
+        const float normed = load(source, c, bf16) * inverse, scale = load(weight, c, bf16);
+        store(out, c, unit_offset ? normed * (1.0f + scale) : scale * in_dtype(normed, bf16),
+              bf16);
     }
 }
 
 /* out[r] = weight * x[r] / rms(x[r]) over `rows` rows of `cols`; with `residual`,
- * x[r] + residual[r] is normalised instead and written to sum_out[r]. `out` and `sum_out`
- * are contiguous; x and residual rows `x_stride`, `residual_stride` elements apart. */
+ * x[r] + residual[r] is normalised instead and written to sum_out[r]; with `unit_offset`
+ * scaled by 1 + weight (Gemma's norm). `out` and `sum_out` are contiguous; x and residual
+ * rows `x_stride`, `residual_stride` elements apart. */
 void tandem_rms_norm(const void *x, int64_t x_stride, const void *residual,
                      int64_t residual_stride, const void *weight, void *out, void *sum_out,
-                     int64_t rows, int64_t cols, float eps, int32_t bf16, int32_t num_threads) {
+                     int64_t rows, int64_t cols, float eps, int32_t bf16, int32_t unit_offset,
+                     int32_t num_threads) {
     const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -71,26 +79,42 @@ void tandem_rms_norm(const void *x, int64_t x_stride, const void *residual,
         char *out_row = (char *)out + r * cols * size;
         char *sum_row = sum_out ? (char *)sum_out + r * cols * size : NULL;
         if (bf16)
-            rms_norm_row(x_row, residual_row, weight, out_row, sum_row, cols, eps, 1);
+            rms_norm_row(x_row, residual_row, weight, out_row, sum_row, cols, eps, 1,
+                         unit_offset);
         else
-            rms_norm_row(x_row, residual_row, weight, out_row, sum_row, cols, eps, 0);
+            rms_norm_row(x_row, residual_row, weight, out_row, sum_row, cols, eps, 0,
+                         unit_offset);
     }
 }
 
-static inline void silu_and_mul_row(const void *gate, const void *up, void *out, int64_t cols,
-                                    int bf16) {
+/* GELU's tanh approximation, 0.5 g (1 + tanh(u)) with u = sqrt(2/pi) (g + 0.044715 g^3),
+ * written as g sigmoid(2u): one exp, and no cancellation in 1 + tanh(u) where tanh(u) is
+ * near -1. With e = exp(-2|u|) <= 1, which never overflows (exp(-2u) does from g < -8.6,
+ * and -ffast-math assumes no infinities), sigmoid(2u) is 1 / (1 + e) for u >= 0, else
+ * e / (1 + e). */
+static inline float gelu_tanh(float g) {
+    const float inner = 0.7978845608028654f * (g + 0.044715f * (g * g * g));
+    const float e = expf(-2.0f * fabsf(inner));
+    return g * (inner >= 0.0f ? 1.0f : e) / (1.0f + e);
+}
+
+/* With `gelu` the GELU-tanh-gated product, else the SiLU-gated one: the activation rounded
+ * to the model dtype, then multiplied by up. */
+static inline void gated_row(const void *gate, const void *up, void *out, int64_t cols, int bf16,
+                             int gelu) {
 #pragma omp simd
     for (int64_t c = 0; c < cols; c++) {
         const float g = load(gate, c, bf16);
-        const float silu = in_dtype(g / (1.0f + expf(-g)), bf16);
-        store(out, c, silu * load(up, c, bf16), bf16);
+        const float act = in_dtype(gelu ? gelu_tanh(g) : g / (1.0f + expf(-g)), bf16);
+        store(out, c, act * load(up, c, bf16), bf16);
     }
 }
 
-/* out[r] = silu(gate[r]) * up[r] over `rows` rows of `cols`; `out` contiguous. */
-void tandem_silu_and_mul(const void *gate, int64_t gate_stride, const void *up,
-                         int64_t up_stride, void *out, int64_t rows, int64_t cols, int32_t bf16,
-                         int32_t num_threads) {
+/* out[r] = act(gate[r]) * up[r] over `rows` rows of `cols` (act: SiLU, or GELU-tanh with
+ * `gelu`); `out` contiguous. */
+void tandem_gated_activation(const void *gate, int64_t gate_stride, const void *up,
+                             int64_t up_stride, void *out, int64_t rows, int64_t cols,
+                             int32_t bf16, int32_t gelu, int32_t num_threads) {
     const int64_t size = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if (rows * cols >= PARALLEL_MIN_ELEMENTS)
     for (int64_t r = 0; r < rows; r++) {
@@ -98,9 +122,9 @@ void tandem_silu_and_mul(const void *gate, int64_t gate_stride, const void *up,
         const char *up_row = (const char *)up + r * up_stride * size;
         char *out_row = (char *)out + r * cols * size;
         if (bf16)
-            silu_and_mul_row(gate_row, up_row, out_row, cols, 1);
+            gated_row(gate_row, up_row, out_row, cols, 1, gelu);
         else
-            silu_and_mul_row(gate_row, up_row, out_row, cols, 0);
+            gated_row(gate_row, up_row, out_row, cols, 0, gelu);
     }
 }
 

@@ -1,5 +1,6 @@
 """A decoder layer's per-token operations in compiled C (``cpu_layers.c``): the CPU
-backend's ``rms_norm``, ``rotary_embedding``, ``silu_and_mul`` and ``store_kv``.
+backend's ``rms_norm``, ``gemma_rms_norm``, ``rotary_embedding``, ``silu_and_mul``,
+``gelu_tanh_and_mul`` and ``store_kv``.
 
 Each is one pass over its rows where the torch reference (``layers.py``, ``attention.py``)
 takes several operations, each its own pass over memory and its own dispatch: at the few
@@ -57,6 +58,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """``layers.rms_norm``, in one pass per row (rows without a uniform stride, such as
     q/k heads split out of a fused projection, copied contiguous first: every float32 and
     bfloat16 row goes through this kernel, so its bits never depend on the layout)."""
+    return _rms_norm(x, weight, eps, residual, unit_offset=False)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``layers.gemma_rms_norm`` (scaled by ``1 + weight`` in float32), as ``rms_norm``."""
+    return _rms_norm(x, weight, eps, residual, unit_offset=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: torch.Tensor | None, unit_offset: bool
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if _row_stride(x) is None and x.stride(-1) == 1:
         x = x.contiguous()
     x_stride = _row_stride(x)
@@ -64,32 +78,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if (x_stride is None or residual_stride is None or x.dtype not in DTYPES
             or weight.dtype != x.dtype or not weight.is_contiguous()
             or (residual is not None and residual.dtype != x.dtype)):
-        return layers.rms_norm(x, weight, eps, residual)
+        reference = layers.gemma_rms_norm if unit_offset else layers.rms_norm
+        return reference(x, weight, eps, residual)
     out = torch.empty(x.shape, dtype=x.dtype)
     total = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
     kernel = cpu_build.kernel("tandem_rms_norm", (
         _POINTER, _INT, _POINTER, _INT, _POINTER, _POINTER, _POINTER, _INT, _INT,
-        ctypes.c_float, ctypes.c_int32, ctypes.c_int32))
+        ctypes.c_float, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32))
     cols = x.shape[-1]
     kernel(x.data_ptr(), x_stride, None if residual is None else residual.data_ptr(),
            residual_stride, weight.data_ptr(), out.data_ptr(),
            None if total is None else total.data_ptr(), x.numel() // cols, cols, eps,
-           DTYPES[x.dtype], torch.get_num_threads())
+           DTYPES[x.dtype], int(unit_offset), torch.get_num_threads())
     return out if total is None else (out, total)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``layers.silu_and_mul``, in one pass per row."""
+    return _gated_activation(gate, up, gelu=False)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``layers.gelu_tanh_and_mul``, in one pass per row."""
+    return _gated_activation(gate, up, gelu=True)
+
+
+def _gated_activation(gate: torch.Tensor, up: torch.Tensor, gelu: bool) -> torch.Tensor:
     gate_stride, up_stride = _row_stride(gate), _row_stride(up)
     if (gate_stride is None or up_stride is None or gate.dtype not in DTYPES
             or up.dtype != gate.dtype or up.shape != gate.shape):
-        return layers.silu_and_mul(gate, up)
+        return (layers.gelu_tanh_and_mul if gelu else layers.silu_and_mul)(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype)
-    kernel = cpu_build.kernel("tandem_silu_and_mul", (
-        _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, ctypes.c_int32, ctypes.c_int32))
+    kernel = cpu_build.kernel("tandem_gated_activation", (
+        _POINTER, _INT, _POINTER, _INT, _POINTER, _INT, _INT, ctypes.c_int32, ctypes.c_int32,
+        ctypes.c_int32))
     cols = gate.shape[-1]
     kernel(gate.data_ptr(), gate_stride, up.data_ptr(), up_stride, out.data_ptr(),
-           gate.numel() // cols, cols, DTYPES[gate.dtype], torch.get_num_threads())
+           gate.numel() // cols, cols, DTYPES[gate.dtype], int(gelu), torch.get_num_threads())
     return out
 
 

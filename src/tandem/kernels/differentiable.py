@@ -14,13 +14,16 @@ of autograd through the references (the gradient needs no bitwise match):
   and multiplied by the engine's 8-bit kernel; backward, the input's gradient through the
   weight served (dequantized), the weight's straight through the rounding (quantization-
   aware training's straight-through estimator);
-- ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorm, rotary and gated
-  activation, each with its backward written out in float32, and a ``causal_attention``
+- ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorms (Llama's and
+  Gemma's), rotary and gated activations (SiLU and GELU-tanh), each with its backward
+  written out in float32, and a ``causal_attention``
   that attends every sequence of a flat token stream to itself through the engine's own
   attention over the stream's keys (no pool: the engine's attention gives a token the same
   bits decoded or prefilled), backward through one padded SDPA call (masked to the layer's
-  sliding window where it has one). The model's attention calls it instead of storing to
-  and reading from a pool. Where the engine's pool is FP8, the stream's K and V go
+  sliding window where it has one), or, for a layer with attention sinks or a soft cap
+  (which SDPA cannot do), through the attention written out one sequence at a time, the
+  sinks' gradient included. The model's attention calls it instead of storing to and
+  reading from a pool. Where the engine's pool is FP8, the stream's K and V go
   through it as the engine's do: stored by the engine's own ``store_kv`` with the engine's
   scales (so rounded to the very bits the engine read) and attended from there; the
   backward is straight through the rounding (the gradient of the dequantized K and V
@@ -30,6 +33,7 @@ of autograd through the references (the gradient needs no bitwise match):
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from . import cpu_linear, layers, quantization
+from . import attention, cpu_linear, layers, quantization
 from .attention import AttentionMetadata
 from .dispatch import AttentionBackend, KernelOps, LayerKernels
 from .fp8_kv import FP8, FP8_MAX, dequantize
@@ -144,18 +148,19 @@ triton_linear.__doc__ = """``x W^T + b`` by the batch-invariant Triton kernel
 
 
 class _RMSNorm(Function):
-    """``layers.rms_norm`` by ``kernel``; the backward in float32 from the saved input (the
-    sum with the residual when there is one), the roundings to the model dtype taken as the
+    """``layers.rms_norm`` (or with ``unit_offset`` ``layers.gemma_rms_norm``, scaled by
+    ``1 + weight``) by ``kernel``; the backward in float32 from the saved input (the sum
+    with the residual when there is one), the roundings to the model dtype taken as the
     identity."""
 
     @staticmethod
-    def forward(ctx, x, weight, residual, eps, kernel):  # noqa: D102
+    def forward(ctx, x, weight, residual, eps, kernel, unit_offset):  # noqa: D102
         if residual is None:
             out, total = kernel(x, weight, eps), x
         else:
             out, total = kernel(x, weight, eps, residual)
         ctx.save_for_backward(total, weight)
-        ctx.eps, ctx.has_residual = eps, residual is not None
+        ctx.eps, ctx.has_residual, ctx.unit_offset = eps, residual is not None, unit_offset
         return (out, total) if residual is not None else out
 
     @staticmethod
@@ -164,14 +169,17 @@ class _RMSNorm(Function):
         x = total.float()
         inverse = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
         normed = x * inverse
-        grad_normed = grad_out.float() * weight.float()
+        # Gemma's scales the float32 normalised value by 1 + w; Llama's its rounding by w.
+        scale, scaled = (weight.float() + 1.0, normed) if ctx.unit_offset else \
+            (weight.float(), normed.to(total.dtype).float())
+        grad_normed = grad_out.float() * scale
         grad_x = inverse * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
         if grad_total is not None:
             grad_x = grad_x + grad_total.float()
-        grad_weight = (grad_out.float() * normed.to(total.dtype).float()).reshape(
-            -1, weight.shape[0]).sum(0).to(weight.dtype)
+        grad_weight = (grad_out.float() * scaled).reshape(-1, weight.shape[0]).sum(0).to(
+            weight.dtype)
         grad_x = grad_x.to(total.dtype)
-        return grad_x, grad_weight, grad_x if ctx.has_residual else None, None, None
+        return grad_x, grad_weight, grad_x if ctx.has_residual else None, None, None, None
 
 
 class _SiluAndMul(Function):
@@ -190,6 +198,28 @@ class _SiluAndMul(Function):
         grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
         return grad_gate.to(ctx.saved_tensors[0].dtype), grad_up.to(ctx.saved_tensors[1].dtype), \
             None
+
+
+class _GeluTanhAndMul(Function):
+    """``layers.gelu_tanh_and_mul`` by ``kernel``; the backward in float32: with u =
+    sqrt(2/pi) (g + 0.044715 g^3), gelu = g s for s = (1 + tanh u) / 2, whose derivative is
+    s + g (1 - tanh^2 u) u' / 2."""
+
+    @staticmethod
+    def forward(ctx, gate, up, kernel):  # noqa: D102
+        ctx.save_for_backward(gate, up)
+        return kernel(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        gate, up = (t.float() for t in ctx.saved_tensors)
+        beta = math.sqrt(2 / math.pi)
+        tanh = torch.tanh(beta * (gate + 0.044715 * gate.pow(3)))
+        half = 0.5 * (1 + tanh)
+        slope = half + 0.5 * gate * (1 - tanh * tanh) * beta * (1 + 3 * 0.044715 * gate * gate)
+        grad = grad.float()
+        return (grad * up * slope).to(ctx.saved_tensors[0].dtype), \
+            (grad * gate * half).to(ctx.saved_tensors[1].dtype), None
 
 
 class _Rotary(Function):
@@ -214,7 +244,7 @@ class _Rotary(Function):
 class _CausalAttention(Function):
     @staticmethod
     def forward(ctx, query, key, value, cu_seqlens, scale, kernels,  # noqa: D102
-                k_scale, v_scale, window):
+                k_scale, v_scale, window, sinks, softcap):
         starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
         width = int(lengths.max())
         # The stream itself as a pool of one-token blocks: row t of each sequence's table is
@@ -227,26 +257,34 @@ class _CausalAttention(Function):
         k_pool, v_pool = key.contiguous().unsqueeze(1), value.contiguous().unsqueeze(1)
         if k_scale is not None:
             k_pool, v_pool = _through_fp8_pool(key, value, kernels.store_kv, k_scale, v_scale)
-        ctx.save_for_backward(query, key, value, cu_seqlens, k_pool, v_pool)
-        ctx.scale, ctx.scales, ctx.window = scale, (k_scale, v_scale), window
+        ctx.save_for_backward(query, key, value, cu_seqlens, k_pool, v_pool, sinks)
+        ctx.scale, ctx.scales, ctx.window, ctx.softcap = scale, (k_scale, v_scale), window, \
+            softcap
         return kernels.paged_attention(query.contiguous(), k_pool, v_pool, metadata, scale,
-                                       k_scale, v_scale, sliding_window=window)
+                                       k_scale, v_scale, sliding_window=window, sinks=sinks,
+                                       softcap=softcap)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        query, key, value, cu_seqlens, k_pool, v_pool = ctx.saved_tensors
+        query, key, value, cu_seqlens, k_pool, v_pool, sinks = ctx.saved_tensors
         k_scale, v_scale = ctx.scales
         attended = (key, value) if k_scale is None else (
             dequantize(k_pool[:, 0], k_scale).to(key.dtype),
             dequantize(v_pool[:, 0], v_scale).to(value.dtype))
-        inputs = [t.detach().requires_grad_() for t in (query, *attended)]
-        with torch.enable_grad():
-            out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale, ctx.window)
-        grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
+        grad_sinks = None
+        if sinks is None and ctx.softcap is None:
+            inputs = [t.detach().requires_grad_() for t in (query, *attended)]
+            with torch.enable_grad():
+                out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale, ctx.window)
+            grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
+        else:
+            grad_query, grad_key, grad_value, grad_sinks = _written_out_grads(
+                grad, query, *attended, sinks, cu_seqlens, ctx.scale, ctx.window, ctx.softcap)
         if k_scale is not None:  # straight through the rounding, not the saturation
             grad_key = grad_key * _unsaturated(key, k_scale)
             grad_value = grad_value * _unsaturated(value, v_scale)
-        return grad_query, grad_key, grad_value, None, None, None, None, None, None
+        return (grad_query, grad_key, grad_value, None, None, None, None, None, None,
+                grad_sinks, None)
 
 
 def _through_fp8_pool(key: torch.Tensor, value: torch.Tensor, store: Callable[..., None],
@@ -294,6 +332,40 @@ def _sdpa_reference(query, key, value, cu_seqlens, scale, window):
     return out.transpose(1, 2).reshape(seqs * width, *query.shape[1:]).index_select(0, flat)
 
 
+def _written_out_grads(grad, query, key, value, sinks, cu_seqlens, scale, window, softcap):
+    """The gradients of ``query``, ``key``, ``value`` and ``sinks`` (None: none) through each
+    sequence's causal attention written out (``attention.softmax_attention``, in float32:
+    SDPA takes no sink and no soft cap), one sequence at a time, so that one sequence's
+    scores are held at once; the sinks' summed over the sequences."""
+    grads = [torch.zeros_like(t) for t in (query, key, value)]
+    grad_sinks = None if sinks is None else torch.zeros(sinks.shape, device=sinks.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        rows = [t[start:end].detach().requires_grad_() for t in (query, key, value)]
+        sink = None if sinks is None else sinks.detach().requires_grad_()
+        with torch.enable_grad():
+            out = _sequence_attention(*rows, sink, scale, window, softcap)
+        found = torch.autograd.grad(out, rows if sink is None else [*rows, sink],
+                                    grad[start:end])
+        for total, part in zip(grads, found):
+            total[start:end] = part
+        if sink is not None:
+            grad_sinks += found[3]
+    return (*grads, None if sinks is None else grad_sinks.to(sinks.dtype))
+
+
+def _sequence_attention(query, key, value, sinks, scale, window, softcap):
+    """One sequence's causal attention ``[tokens, heads, head_dim]`` (within its last
+    ``window`` positions where one is given), its KV heads repeated for their query heads,
+    written out in float32 with ``sinks`` and ``softcap``; in ``query``'s dtype."""
+    group = query.shape[1] // key.shape[1]
+    keys, values = (t.float().repeat_interleave(group, 1).transpose(0, 1) for t in (key, value))
+    mask = _window_mask(query.shape[0], window or query.shape[0], query.device)
+    out = attention.softmax_attention(query.float().transpose(0, 1), keys, values, mask, scale,
+                                      None if sinks is None else sinks.float(), softcap)
+    return out.transpose(0, 1).to(query.dtype)
+
+
 def _window_mask(width: int, window: int, device: torch.device) -> torch.Tensor:
     """``[width, width]``: True where query position q sees key position k, q - window < k
     <= q."""
@@ -308,27 +380,36 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     forward as the engine runs it, its backward in torch; ``causal_attention`` attends each
     sequence of the step's flat stream to its own keys through ``kernels.paged_attention``
     (given an FP8 pool's scales, through an FP8 pool filled by ``kernels.store_kv``), within
-    the layer's ``sliding_window`` where it has one.
+    the layer's ``sliding_window`` where it has one, with its ``sinks`` (differentiable: a
+    trained parameter) and ``softcap``.
     """
     def rms_norm(x, weight, eps, residual=None):
-        return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm)
+        return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm, False)
+
+    def gemma_rms_norm(x, weight, eps, residual=None):
+        return _RMSNorm.apply(x, weight, residual, eps, kernels.gemma_rms_norm, True)
 
     def rotary_embedding(positions, query, key, cos_cache, sin_cache) -> None:
         _Rotary.apply(query, positions, cos_cache, sin_cache, kernels.rotary_embedding)
         _Rotary.apply(key, positions, cos_cache, sin_cache, kernels.rotary_embedding)
 
     def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float,
-                         k_scale=None, v_scale=None, sliding_window=None):
+                         k_scale=None, v_scale=None, sliding_window=None, sinks=None,
+                         softcap=None):
         return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale, kernels,
-                                      k_scale, v_scale, sliding_window)
+                                      k_scale, v_scale, sliding_window, sinks, softcap)
 
     def silu_and_mul(gate, up):
         return _SiluAndMul.apply(gate, up, kernels.silu_and_mul)
 
+    def gelu_tanh_and_mul(gate, up):
+        return _GeluTanhAndMul.apply(gate, up, kernels.gelu_tanh_and_mul)
+
     layers = kernels.layers
     return KernelOps(AttentionBackend(f"{kernels.attention.name}-training", _no_pool, _no_pool),
                      LayerKernels(f"{layers.name}-training", rms_norm, rotary_embedding,
-                                  silu_and_mul, layers.cpu_linear_layouts),
+                                  silu_and_mul, gemma_rms_norm, gelu_tanh_and_mul,
+                                  layers.cpu_linear_layouts),
                      causal_attention=causal_attention)
 
 

@@ -21,6 +21,9 @@ import torch
 from . import attention, cpu_attention, cpu_build, cpu_layers, layers
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
+# The layer kernels a model calls, copied onto ``KernelOps``.
+LAYER_KERNELS = ("rms_norm", "gemma_rms_norm", "rotary_embedding", "silu_and_mul",
+                 "gelu_tanh_and_mul")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +42,8 @@ class AttentionBackend:
         kv_layout: the pool's storage shape and the permutation that views it logically
             (``pool_layout``'s signature).
         decode_buffers: the static metadata of captured decode steps, built as
-            ``decode_buffers(max_size, max_blocks_per_seq, device)``.
+            ``decode_buffers(max_size, max_blocks_per_seq, device, num_groups)`` (a slot
+            mapping and block tables per KV group).
     """
 
     name: str
@@ -55,10 +59,13 @@ class AttentionBackend:
 
 @dataclass(frozen=True, slots=True)
 class LayerKernels:
-    """The kernels of everything but attention: norms, rotary, the gated activation, and
+    """The kernels of everything but attention: norms, rotary, the gated activations, and
     how linear layers multiply.
 
     Attributes:
+        rms_norm, gemma_rms_norm: Llama's RMSNorm and Gemma's (scaled by ``1 + weight``),
+            each ``norm(x, weight, eps, residual=None)`` (``layers.py``'s signatures).
+        silu_and_mul, gelu_tanh_and_mul: the gated activations ``act(gate) * up``.
         cpu_linear_layouts: on a CPU the linear layers multiply in the layouts of
             ``cpu_linear.py`` (timed, or the batch-invariant panels).
         batch_invariant_linear: the matmul whose rows' bits do not depend on the row count,
@@ -74,6 +81,8 @@ class LayerKernels:
     rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
     rotary_embedding: Callable[..., None]
     silu_and_mul: Callable[..., torch.Tensor]
+    gemma_rms_norm: Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]
+    gelu_tanh_and_mul: Callable[..., torch.Tensor]
     cpu_linear_layouts: bool = True
     batch_invariant_linear: Callable[..., torch.Tensor] | None = None
     fused_moe: Callable[..., torch.Tensor] | None = None
@@ -94,20 +103,22 @@ class KernelOps:
     def __post_init__(self) -> None:
         for name in ("store_kv", "paged_attention"):
             object.__setattr__(self, name, getattr(self.attention, name))
-        for name in ("rms_norm", "rotary_embedding", "silu_and_mul"):
+        for name in LAYER_KERNELS:
             object.__setattr__(self, name, getattr(self.layers, name))
 
 
 TORCH_ATTENTION = AttentionBackend("torch", attention.store_kv, attention.paged_attention,
                                    cascade=True, shards=False)
 TORCH_LAYERS = LayerKernels("torch", layers.rms_norm, layers.rotary_embedding,
-                            layers.silu_and_mul)
+                            layers.silu_and_mul, layers.gemma_rms_norm,
+                            layers.gelu_tanh_and_mul)
 TORCH_OPS = KernelOps(TORCH_ATTENTION, TORCH_LAYERS)
 # Compiled C; the decode attention reads the pool in place, and has no use for the cascade
 # layout (a group's shared blocks stay in cache).
 CPU_ATTENTION = AttentionBackend("cpu", cpu_layers.store_kv, cpu_attention.paged_attention)
 CPU_LAYERS = LayerKernels("cpu", cpu_layers.rms_norm, cpu_layers.rotary_embedding,
-                          cpu_layers.silu_and_mul)
+                          cpu_layers.silu_and_mul, cpu_layers.gemma_rms_norm,
+                          cpu_layers.gelu_tanh_and_mul)
 CPU_OPS = KernelOps(CPU_ATTENTION, CPU_LAYERS)
 
 
@@ -199,7 +210,8 @@ def _triton_ops(exact: bool) -> KernelOps:
         if exact else triton_attention.paged_attention, captures_graphs=True)
     return KernelOps(attention, LayerKernels(
         "triton", triton_layers.rms_norm, triton_layers.rotary_embedding,
-        triton_layers.silu_and_mul, cpu_linear_layouts=False,
+        triton_layers.silu_and_mul, triton_layers.gemma_rms_norm,
+        triton_layers.gelu_tanh_and_mul, cpu_linear_layouts=False,
         batch_invariant_linear=triton_linear.linear, fused_moe=triton_moe.fused_moe,
         quantized_linear=triton_linear.linear))
 

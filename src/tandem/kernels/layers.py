@@ -1,7 +1,8 @@
 """Per-token layer operations: the plain-torch references.
 
-RMSNorm (with the residual add fused in), rotary embedding applied in place, the
-SiLU-gated product of the MLP, and a mixture of experts' count of tokens per expert.
+RMSNorm (with the residual add fused in; Llama's, and Gemma's that scales by ``1 +
+weight``), rotary embedding applied in place, the SiLU- and GELU-gated products of the MLP,
+and a mixture of experts' count of tokens per expert.
 Each rounds to the model dtype where transformers does, so the CPU path matches
 transformers; the Triton versions (``triton_layers.py``) share these signatures.
 """
@@ -28,6 +29,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return normed if residual is None else (normed, x)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm (transformers' ``Gemma3RMSNorm``, Gemma 2's too): ``x`` normalised and
+    scaled by ``1 + weight`` (its weights are centred on zero), both in float32, rounded to
+    the model dtype once at the end, where Llama's ``rms_norm`` rounds before it scales.
+    ``residual`` as ``rms_norm``'s."""
+    if residual is not None:
+        x = x + residual
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (normed * (1.0 + weight.float())).to(x.dtype)
+    return normed if residual is None else (normed, x)
+
+
 def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                      cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> None:
     """Rotate ``query`` and ``key`` ``[tokens, heads, head_dim]`` in place (rotate-half layout).
@@ -51,6 +67,13 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the gated activation of a Llama MLP."""
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GELU's tanh approximation, transformers'
+    ``gelu_pytorch_tanh``), the gated activation of a Gemma MLP: the activation rounded to
+    the model dtype, then the product."""
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -14,6 +14,14 @@ programs); a prefill tile starts at its first token's window, rounded down to th
 key tiles every chunk shares, so a token's tiles (and its bits, for exact log-probs) do
 not depend on its chunk.
 
+Attention sinks (``sinks``, a logit per query head) start each row's online softmax at
+its sink (maximum the sink, sum 1, no value), so no key's step changes; a split decode
+starts its first split alone so, and the merge counts the sink once. A soft cap
+(``softcap``) bends each score, ``cap * tanh(score / cap)``, before the mask; the kernels
+keep scores in log2 units (``exp2``), where it is the same cap times ``LOG2E`` (tanh
+written out through ``sigmoid``: Triton's own is libdevice's, which the interpreter lacks).
+Without them (None, a constexpr) the kernels compile as they did before.
+
 Scores and products are accumulated in float32. Matrix products take float16/bfloat16
 operands on a GPU (tensor cores, products exact in float32); the Triton interpreter
 computes bfloat16 products wrongly, so there every operand is converted to float32 right
@@ -42,6 +50,7 @@ from .fp8_kv import FP8, FP8_MAX
 MAX_SPLITS = 16
 LOG2E = 1.4426950408889634
 E4M3_MAX = tl.constexpr(FP8_MAX)  # a kernel reads module globals only as constexprs
+LOG2E_CONSTEXPR = tl.constexpr(LOG2E)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -68,13 +77,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     metadata: AttentionMetadata, scale: float,
                     k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
     """Causal attention of ``query`` ``[num_tokens, num_heads, head_dim]`` over the pool
     (an FP8 one read through its ``k_scale``/``v_scale``).
 
     Query heads are grouped over the KV heads (GQA). Each query token attends to the keys of
     its own sequence at positions up to its own, and with a ``sliding_window`` W only to the
-    last W of them (its own included). Returns ``[num_tokens, num_heads, head_dim]``.
+    last W of them (its own included); each head's softmax with its ``sinks`` logit, over
+    scores soft-capped at ``softcap``. Returns ``[num_tokens, num_heads, head_dim]``.
     Never synchronises with the device, so a pure-decode step can be captured in a graph.
     """
     output = torch.empty_like(query)
@@ -84,11 +95,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                metadata.block_tables[:num_decodes],
                                metadata.context_lens[:num_decodes], scale,
                                output=output[:num_decodes], k_scale=k_scale, v_scale=v_scale,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, sinks=sinks, softcap=softcap)
     num_prefills = metadata.context_lens.shape[0] - num_decodes
     if num_prefills:
         _prefill_attention(query, k_cache, v_cache, metadata, scale, output, num_prefills,
-                           k_scale, v_scale, sliding_window)
+                           k_scale, v_scale, sliding_window, sinks, softcap)
     return output
 
 
@@ -96,17 +107,21 @@ def batch_invariant_attention(query: torch.Tensor, k_cache: torch.Tensor,
                               v_cache: torch.Tensor, metadata: AttentionMetadata,
                               scale: float, k_scale: torch.Tensor | None = None,
                               v_scale: torch.Tensor | None = None,
-                              sliding_window: int | None = None) -> torch.Tensor:
+                              sliding_window: int | None = None,
+                              sinks: torch.Tensor | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
     """``paged_attention`` with every query, decodes included, through the prefill kernel:
     a decode is a one-token chunk, so a token's attention runs the same tiles, in the same
     order, with the same online softmax, whether it was decoded or prefilled and wherever
     its chunk began (exact log-probs; no flash-decoding split, whose count follows the
-    batch). Keys past a query's position, or before its window, fold in as exact no-ops."""
+    batch). Keys past a query's position, or before its window, fold in as exact no-ops;
+    each row's sink starts its softmax, whatever its chunk."""
     output = torch.empty_like(query)
     if metadata.context_lens.shape[0]:
         _prefill_attention(query, k_cache, v_cache, dataclasses.replace(
             metadata, num_decodes=0, max_query_len=max(metadata.max_query_len, 1)), scale,
-            output, metadata.context_lens.shape[0], k_scale, v_scale, sliding_window)
+            output, metadata.context_lens.shape[0], k_scale, v_scale, sliding_window, sinks,
+            softcap)
     return output
 
 
@@ -116,14 +131,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            output: torch.Tensor | None = None,
                            k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence ``[num_seqs, num_heads, head_dim]`` (over
     an FP8 pool through its ``k_scale``/``v_scale``), to its last ``sliding_window`` keys
-    where one is given.
+    where one is given, with each head's ``sinks`` logit and scores soft-capped at
+    ``softcap`` where given.
 
     ``num_splits`` splits each context (or its window) across that many programs (default:
-    enough programs to fill the device). Writes into ``output`` when given; returns the
-    output. A sequence whose context length is 0 (graph padding) gets zeros.
+    enough programs to fill the device); the first split's softmax holds the sink. Writes
+    into ``output`` when given; returns the output. A sequence whose context length is 0
+    (graph padding) gets zeros.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -138,8 +157,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     block_d = _pow2(head_dim)
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, partial, lse,
-        scale * LOG2E, sliding_window or 0, query.stride(0), query.stride(1),
+        query, k_cache, v_cache, k_scale, v_scale, _sinks(sinks), block_tables, context_lens,
+        partial, lse, scale * LOG2E, _softcap_log2(softcap), sliding_window or 0,
+        query.stride(0), query.stride(1),
         *k_cache.stride()[:3], block_tables.stride(0), *partial.stride()[:3],
         *lse.stride()[:2], num_splits, head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=group, BLOCK_G=max(16, _pow2(group)),
@@ -156,15 +176,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def _prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        metadata: AttentionMetadata, scale: float, output: torch.Tensor,
                        num_prefills: int, k_scale: torch.Tensor | None,
-                       v_scale: torch.Tensor | None, sliding_window: int | None) -> None:
+                       v_scale: torch.Tensor | None, sliding_window: int | None,
+                       sinks: torch.Tensor | None, softcap: float | None) -> None:
     k_scale, v_scale = _scales(k_cache, k_scale, v_scale)
     num_heads, head_dim = query.shape[1:]
     block_m = 16 if _interpreting() else _prefill_tile(query.dtype, head_dim,
                                                        k_scale is not None)
     grid = (num_prefills, num_heads, triton.cdiv(metadata.max_query_len, block_m))
     _prefill_kernel[grid](
-        query, k_cache, v_cache, k_scale, v_scale, metadata.block_tables, metadata.context_lens,
-        metadata.cu_seqlens_q, output, scale * LOG2E, sliding_window or 0, metadata.num_decodes,
+        query, k_cache, v_cache, k_scale, v_scale, _sinks(sinks), metadata.block_tables,
+        metadata.context_lens, metadata.cu_seqlens_q, output, scale * LOG2E,
+        _softcap_log2(softcap), sliding_window or 0, metadata.num_decodes,
         query.stride(0), query.stride(1), *k_cache.stride()[:3],
         metadata.block_tables.stride(0), output.stride(0), output.stride(1), head_dim,
         BLOCK_SIZE=k_cache.shape[1], GROUP=num_heads // k_cache.shape[2], BLOCK_M=block_m,
@@ -214,18 +236,21 @@ def _round_to_e4m3(x, scale):
 
 @triton.jit
 def _attend_tile(q, k_cache, v_cache, block_table, kv_head, n, n_in, n_valid, d, d_mask,
-                 row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
-                 BLOCK_SIZE: tl.constexpr):
+                 row_max, row_sum, acc, scale_log2, softcap_log2, stride_cb, stride_ct,
+                 stride_ch, BLOCK_SIZE: tl.constexpr):
     """Fold the keys ``n`` into the online softmax ``(row_max, row_sum, acc)``.
 
     ``n_in`` marks the keys inside the context; ``n_valid`` (rows × keys, or 1 × keys) those
-    each query row may see. The products take ``q``'s type for their operands.
+    each query row may see. The products take ``q``'s type for their operands. Scores in
+    log2 units are soft-capped at ``softcap_log2`` (the cap times LOG2E; None: no cap).
     """
     block = tl.load(block_table + n // BLOCK_SIZE, mask=n_in, other=0)
     offset = (block * stride_cb + (n % BLOCK_SIZE) * stride_ct + kv_head * stride_ch)[:, None]
     kv_mask = n_in[:, None] & d_mask[None, :]
     k = tl.load(k_cache + offset + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2
+    if softcap_log2 is not None:  # cap tanh(s / cap)
+        scores = softcap_log2 * _tanh(scores / softcap_log2)
     scores = tl.where(n_valid, scores, float("-inf"))
     m_new = tl.maximum(row_max, tl.max(scores, 1))
     # A row that has seen no key yet (a window's leading tiles) stays empty, not NaN.
@@ -237,9 +262,19 @@ def _attend_tile(q, k_cache, v_cache, block_table, kv_head, n, n_in, n_valid, d,
     return m_new, row_sum * alpha + tl.sum(p, 1), acc
 
 
+@triton.jit
+def _tanh(x):
+    """tanh(x) = 2 sigmoid(2x) - 1, x clamped to ±15 (whose tanh is ±1 in float32) so that
+    no exp overflows (Triton's own tanh is libdevice's, which the interpreter lacks). As
+    (1 - e) / (1 + e) with e = exp(-2|x|), ptxas spilled the bfloat16 decode with sinks on
+    sm_90."""
+    return 2.0 * tl.sigmoid(2.0 * tl.clamp(x, -15.0, 15.0)) - 1.0
+
+
 @triton.jit(do_not_specialize=["sliding_window"])
-def _decode_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                   partial, lse, scale_log2, sliding_window, stride_qt, stride_qh, stride_cb,
+def _decode_kernel(query, k_cache, v_cache, k_scale, v_scale, sinks, block_tables,
+                   context_lens, partial, lse, scale_log2, softcap_log2, sliding_window,
+                   stride_qt, stride_qh, stride_cb,
                    stride_ct, stride_ch, stride_bt, stride_ps, stride_ph, stride_psplit,
                    stride_ls, stride_lh, num_splits, head_dim, BLOCK_SIZE: tl.constexpr,
                    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -266,14 +301,18 @@ def _decode_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, cont
         scale_log2 = scale_log2 * tl.load(k_scale + kv_head)
     row_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_G], tl.float32)
+    if sinks is not None:  # the first split starts at the sink: the merge counts it once
+        row_max = tl.load(sinks + heads, mask=g_mask & (split == 0),
+                          other=float("-inf")).to(tl.float32) * LOG2E_CONSTEXPR
+        row_sum = tl.where(row_max > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n_start in range(start, end, BLOCK_N):
         n = n_start + tl.arange(0, BLOCK_N)
         n_in = n < end
         row_max, row_sum, acc = _attend_tile(
             q, k_cache, v_cache, block_tables + seq * stride_bt, kv_head, n, n_in,
-            n_in[None, :], d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct,
-            stride_ch, BLOCK_SIZE)
+            n_in[None, :], d, d_mask, row_max, row_sum, acc, scale_log2, softcap_log2,
+            stride_cb, stride_ct, stride_ch, BLOCK_SIZE)
     has_keys = row_sum > 0
     out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]
     if v_scale is not None:  # sum p (v s) = s sum p v
@@ -307,12 +346,12 @@ def _merge_splits_kernel(partial, lse, output, stride_ps, stride_ph, stride_pspl
 
 
 @triton.jit(do_not_specialize=["sliding_window"])
-def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens,
-                    cu_seqlens_q, output, scale_log2, sliding_window, num_decodes, stride_qt,
-                    stride_qh, stride_cb, stride_ct, stride_ch, stride_bt, stride_ot, stride_oh,
-                    head_dim, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    UPCAST: tl.constexpr):
+def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, sinks, block_tables,
+                    context_lens, cu_seqlens_q, output, scale_log2, softcap_log2,
+                    sliding_window, num_decodes, stride_qt, stride_qh, stride_cb, stride_ct,
+                    stride_ch, stride_bt, stride_ot, stride_oh, head_dim,
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr):
     seq = num_decodes + tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -338,6 +377,10 @@ def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, con
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if sinks is not None:  # every row starts at its head's sink, whatever its chunk
+        sink = tl.load(sinks + head).to(tl.float32) * LOG2E_CONSTEXPR
+        row_max = tl.zeros([BLOCK_M], tl.float32) + sink
+        row_sum = tl.full([BLOCK_M], 1.0, tl.float32)
     end = tl.minimum(context_len, context_len - q_len + (tile + 1) * BLOCK_M)
     # From the tile's first row's first key, on the grid of key tiles every chunk shares.
     first_position = context_len - q_len + tile * BLOCK_M
@@ -349,8 +392,8 @@ def _prefill_kernel(query, k_cache, v_cache, k_scale, v_scale, block_tables, con
         n_valid = (back >= 0) & (back < span) & n_in[None, :]
         row_max, row_sum, acc = _attend_tile(
             q, k_cache, v_cache, block_tables + seq * stride_bt, head // GROUP, n, n_in, n_valid,
-            d, d_mask, row_max, row_sum, acc, scale_log2, stride_cb, stride_ct, stride_ch,
-            BLOCK_SIZE)
+            d, d_mask, row_max, row_sum, acc, scale_log2, softcap_log2, stride_cb, stride_ct,
+            stride_ch, BLOCK_SIZE)
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     if v_scale is not None:  # sum p (v s) = s sum p v
         out = out * tl.load(v_scale + head // GROUP)
@@ -362,6 +405,17 @@ def _scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None,
             v_scale: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The scales a kernel takes: an FP8 pool's, None (a constexpr: no code) for any other."""
     return (k_scale, v_scale) if k_cache.dtype == FP8 else (None, None)
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The sinks as the kernels index them (stride 1), or None (a constexpr: no code)."""
+    return None if sinks is None else _rows_contiguous(sinks.detach())
+
+
+def _softcap_log2(softcap: float | None) -> float | None:
+    """The soft cap in the kernels' log2 units (``cap tanh(s / cap)`` of scores times LOG2E
+    is ``cap LOG2E tanh(s LOG2E / (cap LOG2E))``), or None (a constexpr: no code)."""
+    return None if softcap is None else softcap * LOG2E
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

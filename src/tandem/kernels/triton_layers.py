@@ -18,6 +18,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``layers.rms_norm`` (same arguments, results and rounding) as one Triton program per
     row."""
+    return _rms_norm(x, weight, eps, residual, unit_offset=False)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``layers.gemma_rms_norm`` (scaled by ``1 + weight`` in float32), as ``rms_norm``."""
+    return _rms_norm(x, weight, eps, residual, unit_offset=True)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: torch.Tensor | None, unit_offset: bool
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     x = x.contiguous()
     out = torch.empty_like(x)
     summed = out if residual is None else torch.empty_like(x)
@@ -25,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
             x, x if residual is None else residual.contiguous(), weight, out, summed,
-            x.shape[-1], eps, HAS_RESIDUAL=residual is not None,
+            x.shape[-1], eps, HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
             BLOCK=triton.next_power_of_2(x.shape[-1]))
     return out if residual is None else (out, summed)
 
@@ -50,18 +63,28 @@ def rotary_embedding(positions: torch.Tensor, query: torch.Tensor, key: torch.Te
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``, the gated activation of a Llama MLP."""
+    return _gated_activation(gate, up, _silu_and_mul_kernel)
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up``, the gated activation of a Gemma MLP (``layers.py``'s)."""
+    return _gated_activation(gate, up, _gelu_tanh_and_mul_kernel)
+
+
+def _gated_activation(gate: torch.Tensor, up: torch.Tensor, kernel: triton.JITFunction
+                      ) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     numel = gate.numel()
     if numel:
-        _silu_and_mul_kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](
-            gate, up, out, numel, BLOCK=ELEMENTWISE_BLOCK)
+        kernel[(triton.cdiv(numel, ELEMENTWISE_BLOCK),)](gate, up, out, numel,
+                                                         BLOCK=ELEMENTWISE_BLOCK)
     return out
 
 
 @triton.jit
 def _rms_norm_kernel(x, residual, weight, out, summed, hidden, eps, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * hidden + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < hidden
     values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -71,9 +94,12 @@ def _rms_norm_kernel(x, residual, weight, out, summed, hidden, eps, HAS_RESIDUAL
         tl.store(summed + offsets, values, mask=mask)
         values = values.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(values * values, 0) / hidden + eps)
-    normed = (values * inv_rms).to(out.dtype.element_ty).to(tl.float32)
     scale = tl.load(weight + tl.arange(0, BLOCK), mask=mask, other=0.0).to(tl.float32)
-    tl.store(out + offsets, normed * scale, mask=mask)
+    if UNIT_OFFSET:  # Gemma's: scaled by 1 + weight in float32, rounded once
+        tl.store(out + offsets, values * inv_rms * (1.0 + scale), mask=mask)
+    else:
+        normed = (values * inv_rms).to(out.dtype.element_ty).to(tl.float32)
+        tl.store(out + offsets, normed * scale, mask=mask)
 
 
 @triton.jit
@@ -113,3 +139,17 @@ def _silu_and_mul_kernel(gate, up, out, numel, BLOCK: tl.constexpr):
     u = tl.load(up + offsets, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(out.dtype.element_ty).to(tl.float32)
     tl.store(out + offsets, silu * u, mask=mask)
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(gate, up, out, numel, BLOCK: tl.constexpr):
+    # 0.5 g (1 + tanh(inner)) as g sigmoid(2 inner), as cpu_layers.c computes it (e <= 1)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    g = tl.load(gate + offsets, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up + offsets, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    e = tl.exp(-2.0 * tl.abs(inner))
+    gelu = g * tl.where(inner >= 0, 1.0, e) / (1.0 + e)
+    gelu = gelu.to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + offsets, gelu * u, mask=mask)

@@ -9,7 +9,10 @@ tokens' hidden states, and down over the pairs' activations. Each program multip
 block of one expert's rows by one tile of that expert's weight, summing over K in fixed
 ``BLOCK_K`` chunks in order (``triton_linear.tile_matmul``, with its fixed tiles), so a
 token's outputs keep their bits whatever batch it is in. Each token then adds its experts'
-outputs, weighted, in ascending expert order.
+outputs, weighted, in ascending expert order. Expert biases (GPT-OSS's) are added on the
+device after each matmul, as transformers adds them (after the matmul's rounding), each
+layout row taking its block's expert's; the activation is the caller's, of the gate and up
+outputs (halves, or GPT-OSS's interleaved even and odd outputs).
 
 Under Triton's interpreter (CPU), the operands are converted to float32 after loading.
 """
@@ -78,20 +81,30 @@ def grouped_linear(x: torch.Tensor, token_of_row: torch.Tensor, block_expert: to
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               experts: torch.Tensor, weights: torch.Tensor,
-              silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-              ) -> torch.Tensor:
-    """Every token's experts' weighted sum: ``sum_j w_j down_e(silu(gate_e x) * up_e x)``
-    for ``x`` ``[tokens, hidden]``, stacked ``gate_up`` ``[E, 2I, H]`` (gate rows first)
-    and ``down`` ``[E, H, I]``, ``experts``/``weights`` ``[tokens, k]``."""
+              activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              interleaved: bool = False) -> torch.Tensor:
+    """Every token's experts' weighted sum: ``sum_j w_j down_e(act(gate_e x, up_e x))`` for
+    ``x`` ``[tokens, hidden]``, stacked ``gate_up`` ``[E, 2I, H]`` (gate rows first, or with
+    ``interleaved`` gate and up alternating) and ``down`` ``[E, H, I]`` (any strides: a
+    transposed view reads as stored), ``experts``/``weights`` ``[tokens, k]``, ``activation``
+    the ``silu_and_mul`` of a Llama MLP or another of the same signature; with their biases
+    ``[E, 2I]`` and ``[E, H]`` added after each matmul."""
     num_tokens, top_k = experts.shape
     block_m = TILES[x.dtype][0]
     token_of_row, block_expert, row_of_pair = group_by_expert(experts, gate_up.shape[0],
                                                               block_m)
-    gate, up = grouped_linear(x.contiguous(), token_of_row, block_expert, gate_up).chunk(2, -1)
-    hidden = silu_and_mul(gate.contiguous(), up.contiguous())
+    gate_up_out = grouped_linear(x.contiguous(), token_of_row, block_expert, gate_up)
+    if gate_up_bias is not None:  # padding rows (past the last expert: -1) take any bias
+        gate_up_out += gate_up_bias[block_expert.clamp(min=0).repeat_interleave(block_m)]
+    gate, up = (gate_up_out[:, ::2], gate_up_out[:, 1::2]) if interleaved \
+        else gate_up_out.chunk(2, -1)
+    hidden = activation(gate.contiguous(), up.contiguous())
     rows = torch.where(token_of_row >= 0, torch.arange(token_of_row.shape[0],
                                                        device=x.device), -1)
     outputs = grouped_linear(hidden, rows, block_expert, down)[row_of_pair]
+    if down_bias is not None:
+        outputs += down_bias[experts.flatten()]
     outputs = outputs.view(num_tokens, top_k, -1) * weights.to(x.dtype).unsqueeze(-1)
     ordered = experts.argsort(dim=-1)  # each token adds its experts in ascending order
     total = torch.zeros_like(x)

@@ -76,6 +76,7 @@ class LLMEngine(InputMethods):
                                 self.runner.weight_bytes(), self.runner.graph_sizes,
                                 staging_bytes=self.runner.staging_bytes())
         self.num_kv_blocks = self.runner.agreed_num_blocks(kv_size.num_blocks)
+        self.kv_groups = kv_size.groups
         self.memory_plan = kv_size.plan
         self.runner.allocate_kv_cache(self.num_kv_blocks)
         self.runner.capture_graphs()
@@ -103,7 +104,8 @@ class LLMEngine(InputMethods):
         preempted wait in it."""
         waiting = self.scheduler.waiting if hasattr(self, "scheduler") else ()
         self.block_manager = BlockManager(self.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+                                          self.config.enable_prefix_caching,
+                                          self.kv_groups.windows)
         self.block_manager.extra_key = (self.weight_version, None)
         self.scheduler = Scheduler(SchedulerConfig(
             self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len,

@@ -10,7 +10,8 @@ and experts); under the engine's exact forward it sets the twin's experts
 (``FusedMoE.forced``). Either way it counts, per position and layer, whether the model's
 own top-k set equals the sampler's, and with ``replay`` it routes by the sampler's (each
 chosen expert weighted by the model's own probability of it, renormalised as the family
-does, so the router still learns).
+does, so the router still learns; for GPT-OSS a softmax over the chosen experts' logits,
+as its router weighs its own top k).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import torch
 from torch import nn
 
 from tandem.rollout.worker.models.moe import FusedMoE, replayed
+
+# transformers' routers that take the top k of their logits, then a softmax over those k
+# (GPT-OSS's): replay weighs the sampler's experts the same way (``moe.replayed``)
+TOPK_FIRST_ROUTERS = ("GptOssTopKRouter",)
 
 
 @dataclass(slots=True)
@@ -93,7 +98,8 @@ def _router_hook(sampler: torch.Tensor, replay: bool, counts: RoutingCounts):
             return None
         # Mixtral's router always renormalises (it has no norm_topk_prob)
         scores, chosen = replayed(logits, sampler, experts,
-                                  getattr(module, "norm_topk_prob", True))
+                                  getattr(module, "norm_topk_prob", True),
+                                  type(module).__name__ in TOPK_FIRST_ROUTERS)
         return logits, scores.to(weights.dtype), chosen
     return hook
 

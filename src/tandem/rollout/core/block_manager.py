@@ -15,6 +15,18 @@ memory is resident, then those never used); cached ones only when none is left, 
 recently used first, as vLLM's free queue does. A sequence frees its blocks last block
 first, so a chain's tail is evicted before its head. The pool's resident memory can so
 grow to its configured size: that is what the cache is for.
+
+KV groups (``kv_groups.py``): with sliding layers a sequence holds one table per group,
+``block_table`` (group 0, full attention) and ``group_tables`` (the others), all drawing
+pages from one free list, each logical block a page per group. A sliding group's table
+drops (to ``NULL_PAGE``, a page never handed out) the pages that fall wholly before its
+window when the sequence next allocates; a sequence's pages are all allocated with its
+tokens (a half-prefilled one never starves) and the out-of-window ones dropped as its
+computation moves on. The prefix cache keys on group 0: a cached block keeps the other
+groups' pages of the same tokens (``Block.pages``) while they live, and a hit is cut to
+the longest prefix whose pages every group still needs are alive (a sliding group: those
+inside the window of the first token left to compute). Copy-on-write copies a shared
+logical block's page in every group (a copy moves a whole page, whichever group's).
 """
 
 from __future__ import annotations
@@ -62,15 +74,17 @@ class SlotAllocation:
         num_cached_tokens: tokens whose K/V the prefix cache already held (on admission; a
             multiple of block_size, always leaving at least one token to compute).
         num_new_tokens: tokens the sequence computes in this step.
-        copy: the ``(source, destination)`` blocks to copy before the step (copy-on-write).
+        copies: the ``(source, destination)`` pages to copy before the step (copy-on-write:
+            one per KV group, or none).
     """
 
     num_cached_tokens: int
     num_new_tokens: int
-    copy: tuple[int, int] | None
+    copies: list[tuple[int, int]]
 
 
 BlockRef = tuple[int, int]  # (block_id, generation): one occupancy of one block
+NULL_PAGE = 0  # a sliding group's entry for a block out of its window (never handed out)
 
 
 @dataclass(slots=True)
@@ -80,7 +94,9 @@ class Block:
 
     ``generation`` counts the block's occupancies (it grows each time the block is handed
     out), so a parent reference taken before the parent was evicted and reused no longer
-    matches.
+    matches. With KV groups, a cached block of group 0 lists the other groups' ``pages`` of
+    its tokens (None where one is gone), and such a page names its ``owner``: that block
+    and the group.
     """
 
     block_id: int
@@ -90,6 +106,8 @@ class Block:
     extra_key: ExtraKey | None = None
     parent: BlockRef | None = None
     generation: int = 0
+    pages: list[int | None] | None = None
+    owner: tuple[int, int] | None = None
 
 
 class BlockManager:
@@ -100,20 +118,22 @@ class BlockManager:
     its own copy (copy-on-write), the last holder writes in place.
     """
 
-    def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, "
                              f"{block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.windows = windows  # per KV group, its sliding window (None: full); group 0 full
+        self.num_reserved = 1 if any(w is not None for w in windows) else 0  # NULL_PAGE
         # The engine sets this to (weight_version, lora_id) whenever the weights change.
         self.extra_key: ExtraKey = (0, None)
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Free blocks without cached content, the most recently freed first (resident
         # memory; on CPU untouched pool pages cost none), then those never used.
-        self.empty_block_ids: deque[int] = deque(range(num_blocks))
+        self.empty_block_ids: deque[int] = deque(range(self.num_reserved, num_blocks))
         # Free blocks with cached content, least recently used first: evicted in that order.
         self.cached_free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.cached_block_ids: dict[bytes, int] = {}
@@ -129,7 +149,7 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one sequence."""
-        return self.num_blocks - self.num_free_blocks
+        return self.num_blocks - self.num_reserved - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -160,22 +180,33 @@ class BlockManager:
         fills are hashed and cached (a later request of the same step may hit them: each
         layer writes the step's K/V before any attention of the step reads them).
 
-        Returns what was allocated, or None, changing nothing, when the free blocks do not
-        suffice.
+        With sliding groups, a sequence's pages out of its windows are dropped first (see the
+        module docstring), whatever the outcome.
+
+        Returns what was allocated, or None, changing nothing else, when the free blocks do
+        not suffice.
         """
         admitting = not seq.block_table
-        hits = self._lookup(seq) if admitting and use_cache else []
+        if admitting:
+            seq.group_tables = [[] for _ in self.windows[1:]]
+        hits, pages = self._lookup(seq) if admitting and use_cache else self._no_hits()
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
-        needs_copy = self._shared_block_at(seq, num_computed)
+        if not admitting:
+            self._drop_out_of_window(seq, num_computed)
+        shared = self._shared_pages_at(seq, num_computed)
         grow = num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table) - len(hits)
-        hits_on_free = sum(self.blocks[b].ref_count == 0 for b in hits)
-        if max(grow, 0) + needs_copy + hits_on_free > self.num_free_blocks:
+        taken = hits + [page for group in pages for page in group if self._real(page)]
+        taken_free = sum(self.blocks[b].ref_count == 0 for b in taken)
+        if max(grow, 0) * len(self.windows) + len(shared) + taken_free > self.num_free_blocks:
             return None
         for block_id in hits:
-            self._take(block_id)
-            seq.block_table.append(block_id)
             seq.block_hashes.append(self.blocks[block_id].block_hash)
-        copy = self._copy_on_write(seq, num_computed) if needs_copy else None
+        for table, group in zip(seq.tables(), [hits, *pages], strict=True):
+            for block_id in group:
+                if self._real(block_id):
+                    self._take(block_id)
+                table.append(block_id)
+        copies = [self._copy_on_write(table, index) for table, index in shared]
         self._grow(seq, seq.num_tokens)
         num_new_tokens = min(seq.num_tokens - num_computed, token_budget)
         # A pending token (overlapped steps) is not known yet: its block waits to be hashed.
@@ -183,19 +214,23 @@ class BlockManager:
         if admitting:
             self.num_queried_tokens += seq.num_tokens
             self.num_hit_tokens += len(hits) * self.block_size
-        return SlotAllocation(len(hits) * self.block_size, num_new_tokens, copy)
+        return SlotAllocation(len(hits) * self.block_size, num_new_tokens, copies)
 
     def appends_in_place(self, seq: Sequence) -> bool:
         """True when ``seq``'s one uncomputed token (a decode's) lands in a block it holds
-        alone and fills no block the prefix cache would register: ``allocate_slots(seq, 1)``
+        alone (in every KV group), fills no block the prefix cache would register and moves
+        no window past a page: ``allocate_slots(seq, 1)``
         would then change nothing and copy nothing, so it need not be called (15 decodes in
         16, asked once per sequence per step)."""
         num_tokens = len(seq.token_ids) + seq.num_pending_tokens
-        table, size = seq.block_table, self.block_size
-        if num_tokens > len(table) * size:
+        size = self.block_size
+        if num_tokens > len(seq.block_table) * size:
             return False  # a new block is due
-        if self.blocks[table[(num_tokens - 1) // size]].ref_count != 1:
+        index = (num_tokens - 1) // size
+        if any(self.blocks[table[index]].ref_count != 1 for table in seq.tables()):
             return False  # shared: a copy-on-write is due
+        if self._drop_due(seq, num_tokens - 1):
+            return False  # a page fell out of a window
         return not self.enable_prefix_caching or num_tokens // size <= len(seq.block_hashes)
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -206,7 +241,7 @@ class BlockManager:
     def num_tokens_to_compute(self, seq: Sequence, use_cache: bool = True) -> int:
         """The tokens ``seq`` still has to compute: its uncomputed ones, less the cached
         prefix ``allocate_slots`` would give it (changes nothing)."""
-        hits = self._lookup(seq) if not seq.block_table and use_cache else []
+        hits = self._lookup(seq)[0] if not seq.block_table and use_cache else []
         return seq.num_uncomputed_tokens - len(hits) * self.block_size
 
     def shared_prefix_blocks(self, seqs: list[Sequence]) -> int:
@@ -223,28 +258,31 @@ class BlockManager:
         return num_shared
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Let ``child`` share every block of ``parent`` (one more reference each)."""
-        for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+        """Let ``child`` share every block of ``parent`` (one more reference each), in every
+        KV group."""
+        for table in parent.tables():
+            for block_id in table:
+                if self._real(block_id):
+                    self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
+        child.group_tables = [list(table) for table in parent.group_tables]
         child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s reference to each of its blocks, last block first.
+        """Drop ``seq``'s reference to each of its blocks (every KV group's), last block
+        first.
 
         Blocks keep their hashes (and so their cached content) until reused.
 
         Raises:
             RuntimeError: on a double free (a block whose reference count is already 0).
         """
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"double free of KV block {block_id}")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._release(block)
+        for table in seq.tables():
+            for block_id in reversed(table):
+                if self._real(block_id):
+                    self._unref(block_id)
         seq.block_table.clear()
+        seq.group_tables = []
         seq.block_hashes.clear()
 
     def reset_prefix_cache(self) -> None:
@@ -255,10 +293,12 @@ class BlockManager:
         self.empty_block_ids.extendleft(self.cached_free_block_ids)
         self.cached_free_block_ids.clear()
 
-    def _lookup(self, seq: Sequence) -> list[int]:
-        """Cached blocks holding ``seq``'s leading full blocks (at least one token left)."""
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[list[int]]]:
+        """Cached blocks holding ``seq``'s leading full blocks (at least one token left),
+        and each other KV group's pages of them (``NULL_PAGE`` before a sliding group's
+        window), cut to the longest prefix whose needed pages all live."""
         if not self.enable_prefix_caching:
-            return []
+            return self._no_hits()
         size, parent, hits = self.block_size, None, []
         for index in range((seq.num_tokens - 1) // size):
             tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
@@ -267,7 +307,69 @@ class BlockManager:
             if block_id is None or not self._holds(block_id, tokens, hits):
                 break
             hits.append(block_id)
-        return hits
+        while hits:
+            pages = self._pages_of(hits)
+            if pages is not None:
+                return hits, pages
+            hits.pop()
+        return self._no_hits()
+
+    def _no_hits(self) -> tuple[list[int], list[list[int]]]:
+        return [], [[] for _ in self.windows[1:]]
+
+    def _pages_of(self, hits: list[int]) -> list[list[int]] | None:
+        """Each other KV group's pages of the cached blocks ``hits``: all of a full group's,
+        a sliding group's from the block holding the first key the next token attends
+        (``NULL_PAGE`` before); None when one of them is gone."""
+        num_tokens, found = len(hits) * self.block_size, []
+        for group, window in enumerate(self.windows[1:]):
+            first = 0 if window is None else max(num_tokens - window + 1, 0) // self.block_size
+            pages = [NULL_PAGE] * first
+            for block_id in hits[first:]:
+                kept = self.blocks[block_id].pages
+                if kept is None or kept[group] is None:
+                    return None
+                pages.append(kept[group])
+            found.append(pages)
+        return found
+
+    def _drop_out_of_window(self, seq: Sequence, position: int) -> None:
+        """Release ``seq``'s pages, in each sliding group, of the blocks wholly before the
+        window of ``position`` (the first token it computes next): no token from there on
+        attends them. Dropped pages form a prefix of the table, so this walks back from
+        the window to the last page dropped before."""
+        for table, window in zip(seq.group_tables, self.windows[1:], strict=True):
+            if window is None:
+                continue
+            index = min(max(position - window + 1, 0) // self.block_size, len(table)) - 1
+            while index >= 0 and table[index] != NULL_PAGE:
+                self._unref(table[index])
+                table[index] = NULL_PAGE
+                index -= 1
+
+    def _real(self, block_id: int) -> bool:
+        """True unless ``block_id`` is a dropped page's ``NULL_PAGE`` (with sliding groups,
+        block 0 is never handed out)."""
+        return block_id != NULL_PAGE or not self.num_reserved
+
+    def _drop_due(self, seq: Sequence, position: int) -> bool:
+        """True when a sliding group of ``seq`` holds a page wholly before the window of
+        ``position`` (dropped pages form a prefix: the last before the window tells)."""
+        for table, window in zip(seq.group_tables, self.windows[1:], strict=True):
+            if window is not None:
+                first = max(position - window + 1, 0) // self.block_size
+                if first and table[first - 1] != NULL_PAGE:
+                    return True
+        return False
+
+    def _unref(self, block_id: int) -> None:
+        """Drop one reference to ``block_id``, releasing it at the last."""
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._release(block)
 
     def _holds(self, block_id: int, tokens: tuple[int, ...], hits: list[int]) -> bool:
         """True when cached ``block_id`` holds ``tokens`` under the current extra key right
@@ -290,39 +392,53 @@ class BlockManager:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
             self._register(seq.block_table[index], seq.block_hashes[-1], tokens,
-                           self._ref(seq.block_table[index - 1] if index else None))
+                           self._ref(seq.block_table[index - 1] if index else None),
+                           [table[index] for table in seq.group_tables])
 
     def _register(self, block_id: int, hash_value: bytes, tokens: tuple[int, ...],
-                  parent: BlockRef | None) -> None:
+                  parent: BlockRef | None, pages: list[int]) -> None:
+        """Cache ``block_id`` under ``hash_value``, with the other groups' ``pages`` of the
+        same tokens (``NULL_PAGE`` for one already dropped)."""
         if hash_value in self.cached_block_ids:
             return  # the same content is cached in another block already
         block = self.blocks[block_id]
         block.block_hash, block.token_ids = hash_value, tokens
         block.extra_key, block.parent = self.extra_key, parent
         self.cached_block_ids[hash_value] = block_id
+        if pages:
+            block.pages = [None if page == NULL_PAGE or self.blocks[page].owner is not None
+                           else page for page in pages]
+            for group, page in enumerate(block.pages, 1):
+                if page is not None:
+                    self.blocks[page].owner = (block_id, group)
 
-    def _shared_block_at(self, seq: Sequence, position: int) -> bool:
-        """True when the block holding ``position`` is one ``seq`` shares with another."""
+    def _shared_pages_at(self, seq: Sequence, position: int) -> list[tuple[list[int], int]]:
+        """The ``(table, index)`` of each of ``seq``'s pages holding ``position`` (one per
+        KV group) that it shares with another sequence."""
         index = position // self.block_size
-        return (index < len(seq.block_table)
-                and self.blocks[seq.block_table[index]].ref_count > 1)
+        if index >= len(seq.block_table):
+            return []
+        return [(table, index) for table in seq.tables()
+                if self._real(table[index]) and self.blocks[table[index]].ref_count > 1]
 
-    def _copy_on_write(self, seq: Sequence, position: int) -> tuple[int, int]:
-        index = position // self.block_size
-        source = seq.block_table[index]
+    def _copy_on_write(self, table: list[int], index: int) -> tuple[int, int]:
+        source = table[index]
         self.blocks[source].ref_count -= 1
         destination = self._pop_free()
-        seq.block_table[index] = destination
+        table[index] = destination
         self.num_cow_copies += 1
         return source, destination
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        while len(seq.block_table) < num_blocks_for(num_tokens, self.block_size):
-            seq.block_table.append(self._pop_free())
+        """Give every table of ``seq`` a page for each block of its ``num_tokens``."""
+        num_blocks = num_blocks_for(num_tokens, self.block_size)
+        for table in seq.tables():
+            while len(table) < num_blocks:
+                table.append(self._pop_free())
 
     def _release(self, block: Block) -> None:
         """Put a block no sequence holds any more on the free queue its content calls for."""
-        if block.block_hash is None:
+        if block.block_hash is None and block.owner is None:
             self.empty_block_ids.appendleft(block.block_id)
         else:
             self.cached_free_block_ids[block.block_id] = None
@@ -339,13 +455,27 @@ class BlockManager:
             if self.cached_block_ids.get(block.block_hash) == block_id:
                 del self.cached_block_ids[block.block_hash]
             self._forget(block)
+        if block.owner is not None:  # another group's page of a cached block: gone now
+            owner_id, group = block.owner
+            self.blocks[owner_id].pages[group - 1] = None
+            block.owner = None
         block.ref_count = 1
         block.generation += 1
         return block_id
 
-    @staticmethod
-    def _forget(block: Block) -> None:
+    def _forget(self, block: Block) -> None:
+        """Drop a block's cached content, and its pages' tie to it (a free one no longer
+        caches anything: it moves to the empty queue)."""
         block.block_hash, block.token_ids, block.extra_key, block.parent = None, (), None, None
+        for page_id in block.pages or ():
+            if page_id is None:
+                continue
+            page = self.blocks[page_id]
+            page.owner = None
+            if page.ref_count == 0:
+                del self.cached_free_block_ids[page_id]
+                self.empty_block_ids.appendleft(page_id)
+        block.pages = None
 
     def _take(self, block_id: int) -> None:
         """Add a reference to a cached block, taking it off the free queue if it was free."""

@@ -53,12 +53,12 @@ class ScheduledBatch:
                 if seq.num_computed_tokens + num_new
                 == len(seq.token_ids) + seq.num_pending_tokens]
 
-    def add(self, seq: Sequence, num_new_tokens: int, copy: tuple[int, int] | None) -> None:
-        """Schedule ``num_new_tokens`` of ``seq`` (after ``copy``, if any)."""
+    def add(self, seq: Sequence, num_new_tokens: int,
+            copies: list[tuple[int, int]] = ()) -> None:
+        """Schedule ``num_new_tokens`` of ``seq`` (after its block ``copies``)."""
         self.seqs.append(seq)
         self.num_new_tokens.append(num_new_tokens)
-        if copy is not None:
-            self.copies.append(copy)
+        self.copies += copies
 
 
 def live_seqs(seqs: list[Sequence]) -> list[Sequence]:

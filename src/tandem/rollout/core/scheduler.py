@@ -148,7 +148,7 @@ class Scheduler:
             if seq.num_pending_tokens and self._ends_at_length(seq):
                 continue
             if appends_in_place(seq):
-                batch.add(seq, 1, None)
+                batch.add(seq, 1)
             elif not self._schedule_decode(batch, seq):
                 continue
             budget -= 1
@@ -166,7 +166,7 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        batch.add(seq, 1, allocation.copy)
+        batch.add(seq, 1, allocation.copies)
         return True
 
     def _schedule_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
@@ -187,7 +187,7 @@ class Scheduler:
                     self._drop_blocks(seq)  # never wait holding blocks: recompute instead
                 return 0
         seq.num_computed_tokens += allocation.num_cached_tokens
-        batch.add(seq, allocation.num_new_tokens, allocation.copy)
+        batch.add(seq, allocation.num_new_tokens, allocation.copies)
         batch.num_scored_tokens += allocation.num_new_tokens if scores else 0
         self.num_prefill_tokens += allocation.num_new_tokens
         return allocation.num_new_tokens
@@ -198,6 +198,7 @@ class Scheduler:
         held, seq.resume_from = seq.resume_from, None
         self.held.remove(held)
         seq.block_table, held.block_table = held.block_table, []
+        seq.group_tables, held.group_tables = held.group_tables, []
         seq.block_hashes, held.block_hashes = held.block_hashes, []
         seq.num_computed_tokens = held.num_computed_tokens if seq.block_table else 0
         seq.inherit_routing(held, seq.num_computed_tokens)

@@ -62,6 +62,7 @@ class Sequence:
     num_computed_tokens: int = 0
     num_pending_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    group_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     pending_children: list[Sequence] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -78,6 +79,11 @@ class Sequence:
     hold_kv: bool = False
     resume_from: Sequence | None = None
     matcher: Any = None
+
+    def tables(self) -> list[list[int]]:
+        """Its block table in every KV group: ``block_table`` (group 0), then
+        ``group_tables`` (``kv_groups.py``)."""
+        return [self.block_table, *self.group_tables]
 
     @property
     def num_tokens(self) -> int:

@@ -36,7 +36,10 @@ KV_HEADS = "kv_heads"  # by output rows in whole KV heads, replicated when fewer
 ROW = "row"  # by input columns; the partial sums are all-reduced
 ROW_BIAS = "row_bias"  # a row-parallel layer's bias: whole, added on rank 0 only
 VOCAB = "vocab"  # by vocabulary rows, the last rank's padded
-SPLITS = (COLUMN, KV_HEADS, ROW, ROW_BIAS, VOCAB)
+# by the last dimension, evenly: the outputs of experts stored [E, in, out] (GPT-OSS's, as
+# transformers holds them) and their biases [E, out]
+EXPERT_OUT = "expert_out"
+SPLITS = (COLUMN, KV_HEADS, ROW, ROW_BIAS, VOCAB, EXPERT_OUT)
 
 
 @dataclass(slots=True)
@@ -167,18 +170,18 @@ def vocab_per_rank(vocab_size: int, size: int) -> int:
     return math.ceil(vocab_size / size)
 
 
-def split_dim(split: str | None) -> int | None:
-    """The dimension along which a tensor of ``split`` is cut over the ranks, or None for a
-    tensor every rank holds whole (norms, a row-parallel bias: only rank 0 adds it, see
-    ``holds_bias``)."""
-    return {COLUMN: 0, KV_HEADS: 0, VOCAB: 0, ROW: 1}.get(split)
+def split_dim(split: str | None, ndim: int) -> int | None:
+    """The dimension along which a tensor of ``split`` (of ``ndim`` dimensions) is cut over
+    the ranks, or None for a tensor every rank holds whole (norms, a row-parallel bias: only
+    rank 0 adds it, see ``holds_bias``)."""
+    return {COLUMN: 0, KV_HEADS: 0, VOCAB: 0, ROW: 1, EXPERT_OUT: ndim - 1}.get(split)
 
 
 def shard_range(split: str | None, shape: tuple[int, ...], config: PretrainedConfig,
                 tp: TensorParallel) -> tuple[int, int, int] | None:
     """``(dim, start, stop)`` of a full tensor of ``split`` (and ``shape``) that rank
     ``tp.rank`` holds, or None for a tensor every rank holds whole (see ``split_dim``)."""
-    dim = split_dim(split)
+    dim = split_dim(split, len(shape))
     if tp.size == 1 or dim is None:
         return None
     if split == VOCAB:
@@ -198,7 +201,7 @@ def full_from_slices(split: str | None, parts: list[torch.Tensor], config: Pretr
                      tp: TensorParallel) -> torch.Tensor:
     """The full tensor of ``split`` from every rank's slice (``parts``, in rank order):
     concatenated where split, each replicated KV head taken once."""
-    dim = split_dim(split)
+    dim = split_dim(split, parts[0].dim())
     if dim is None:
         return parts[0]
     heads = config.num_key_value_heads
@@ -217,16 +220,15 @@ def full_shape(split: str | None, shape: tuple[int, ...], config: PretrainedConf
                tp: TensorParallel) -> tuple[int, ...]:
     """The full (Hugging Face) shape of a tensor of ``split`` of which a rank holds
     ``shape``."""
-    if tp.size == 1 or split_dim(split) is None:
+    dim = split_dim(split, len(shape))
+    if tp.size == 1 or dim is None:
         return shape
     if split == VOCAB:
         return (config.vocab_size, *shape[1:])
     if split == KV_HEADS:
         head_dim = shape[0] // local_heads(config, tp.size)[1]
         return (config.num_key_value_heads * head_dim, *shape[1:])
-    if split == COLUMN:
-        return (shape[0] * tp.size, *shape[1:])
-    return (shape[0], shape[1] * tp.size)
+    return (*shape[:dim], shape[dim] * tp.size, *shape[dim + 1:])
 
 
 def local_shape(split: str | None, shape: tuple[int, ...], config: PretrainedConfig,

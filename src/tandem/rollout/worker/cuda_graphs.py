@@ -53,12 +53,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, batch_sizes: list[int], max_blocks_per_seq: int,
-                 device: torch.device, backend: AttentionBackend) -> None:
+                 device: torch.device, backend: AttentionBackend, num_groups: int = 1) -> None:
         self.batch_sizes = batch_sizes
         max_size = batch_sizes[-1]
         self.input_ids = torch.zeros(max_size, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_size, dtype=torch.long, device=device)
-        self.buffers = backend.decode_buffers(max_size, max_blocks_per_seq, device)
+        self.buffers = backend.decode_buffers(max_size, max_blocks_per_seq, device, num_groups)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     def fits(self, num_seqs: int) -> bool:

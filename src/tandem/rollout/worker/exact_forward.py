@@ -168,7 +168,8 @@ class ExactForward:
         padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
         kept = padded[torch.where(inside, flat, hidden.shape[0])]
         logits = functional_call(self.twin.lm_head, {"weight": tensors[self.head]}, (kept,))
-        return ExactOutput(logits, (kept,) if output_hidden_states else None)
+        # soft-capped as the engine's compute_logits caps them (Gemma 2)
+        return ExactOutput(self.twin.soft_cap(logits), (kept,) if output_hidden_states else None)
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -7,7 +7,12 @@ end (a block added, or its last block copied on write) between two steps; a pref
 row is written whole (any of its blocks may have changed: a cache hit, a resumed
 continuation, a recompute after preemption). The step's ``block_tables`` are the rows of its
 sequences, its ``slot_mapping`` gathered from them for every position, both in tensor ops;
-Python touches each sequence a few times per step, never each of its blocks.
+Python touches each sequence a few times per step, never each of its blocks. With KV groups
+(``core/kv_groups.py``) each group has a table tensor of its own, its rows the same
+sequences', written by the same updates; the other groups' slot mappings and tables go in
+``AttentionMetadata.kv_groups``. A sliding group's entries before its window may be stale
+(a page dropped since the row was written): no kernel reads a page wholly before a
+query's window unmasked, and the writes land in this step's blocks, which are current.
 
 A step's inputs are built in host memory (pinned for a CUDA device) and go to the device
 when a rank runs them (``StepInputs.on_device``), so a tensor-parallel driver sends what the
@@ -32,7 +37,8 @@ from .attention_layout import cascade_layout, long_tensor, to_device
 HOST = torch.device("cpu")
 
 ScoredPositions = list[tuple[int, int, int]]  # (batch row, first, end) prompt positions
-Updates = tuple[list[int], list[int], list[int]]  # rows, columns, values of table entries
+# rows, columns and, per KV group, the values of table entries
+Updates = tuple[list[int], list[int], list[list[int]]]
 
 
 @dataclass(slots=True)
@@ -86,17 +92,21 @@ class InputBatch:
         device: where the steps run: on CUDA their host tensors are pinned, so that the
             copies there wait for nothing queued before them (see ``to_device``).
         cascade: lay the decodes out for cascade attention (the torch kernels).
+        num_groups: the KV groups, each with its table per sequence.
     """
 
-    def __init__(self, block_size: int, device: torch.device, cascade: bool) -> None:
+    def __init__(self, block_size: int, device: torch.device, cascade: bool,
+                 num_groups: int = 1) -> None:
         self.block_size = block_size
         self.device = device
         self.cascade = cascade
-        self.tables = torch.zeros(0, 0, dtype=torch.long)  # [rows, widest table so far]
+        # per KV group: [rows, widest table so far]
+        self.tables = [torch.zeros(0, 0, dtype=torch.long) for _ in range(num_groups)]
         self.row_of: dict[int, int] = {}  # seq_id -> its row, for the last step's sequences
         self.free_rows: list[int] = []
         self.lengths: list[int] = []  # per row: its table's length (entries past it are 0)
-        self.last_blocks: list[int] = []  # per row: its table's last block (-1: none)
+        # per row: its tables' last blocks (-1: none)
+        self.last_blocks: list[int | tuple[int, ...]] = []
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, int, ScoredPositions]:
         """The step's inputs in host memory (no pending rows marked: the runner knows where
@@ -124,10 +134,13 @@ class InputBatch:
             offsets = torch.repeat_interleave(cu_seqlens_q[:-1] - starts_t, num_new_t)
             positions = torch.arange(end) - offsets
             token_rows = torch.repeat_interleave(rows, num_new_t)
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping(token_rows, positions), block_tables=block_tables,
+        groups = [AttentionMetadata(
+            slot_mapping=self.slot_mapping(token_rows, positions, group), block_tables=tables,
             context_lens=starts_t + num_new_t, cu_seqlens_q=cu_seqlens_q,
             num_decodes=num_decodes, max_query_len=max(num_new))
+            for group, tables in enumerate(block_tables)]
+        metadata = groups[0]
+        metadata.kv_groups = groups[1:]
         if self.cascade and num_decodes:
             metadata.cascade = cascade_layout(batch, self.block_size, HOST)
         scored = scored_positions(batch)
@@ -142,28 +155,31 @@ class InputBatch:
         return step, len(sample_rows), scored
 
     def block_tables(self, seqs: list[Sequence], num_decodes: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Bring the rows up to date with ``seqs``' block tables (the first ``num_decodes``
-        of them decodes); return each sequence's row and their tables, padded with 0 to
-        the longest."""
+        of them decodes); return each sequence's row and, per KV group, their tables padded
+        with 0 to the longest."""
         self._release_rows_of_others(seqs)
         updates: Updates = ([], [], [])
         row_of, lengths, last_blocks = self.row_of, self.lengths, self.last_blocks
         rows = []
         for seq in seqs[:num_decodes]:
             table, row = seq.block_table, row_of.get(seq.seq_id)
-            if row is None or len(table) != lengths[row] or table[-1] != last_blocks[row]:
+            if row is None or len(table) != lengths[row] or _last(seq) != last_blocks[row]:
                 row = self._write_row(seq, row, False, updates)
             rows.append(row)
         rows += [self._write_row(seq, row_of.get(seq.seq_id), True, updates)
                  for seq in seqs[num_decodes:]]
         self._apply(updates)
         rows_t = torch.tensor(rows)
-        return rows_t, self.tables[rows_t, :max(map(lengths.__getitem__, rows))]
+        width = max(map(lengths.__getitem__, rows))
+        return rows_t, [tables[rows_t, :width] for tables in self.tables]
 
-    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The pool slot of each position of the sequence in row ``token_rows``."""
-        blocks = self.tables[token_rows, positions // self.block_size]
+    def slot_mapping(self, token_rows: torch.Tensor, positions: torch.Tensor,
+                     group: int = 0) -> torch.Tensor:
+        """The pool slot of each position of the sequence in row ``token_rows``, in KV
+        group ``group``'s pages."""
+        blocks = self.tables[group][token_rows, positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
 
     def _release_rows_of_others(self, seqs: list[Sequence]) -> None:
@@ -175,10 +191,11 @@ class InputBatch:
 
     def _take_row(self) -> int:
         if not self.free_rows:
-            num_rows = self.tables.shape[0]
+            num_rows, width = self.tables[0].shape
             grown = max(2 * num_rows, 8)
-            self.tables = torch.cat([self.tables, torch.zeros(
-                grown - num_rows, self.tables.shape[1], dtype=torch.long)])
+            self.tables = [torch.cat([tables, torch.zeros(grown - num_rows, width,
+                                                          dtype=torch.long)])
+                           for tables in self.tables]
             self.free_rows = list(range(grown - 1, num_rows - 1, -1))
             self.lengths += [0] * (grown - num_rows)
             self.last_blocks += [-1] * (grown - num_rows)
@@ -186,8 +203,8 @@ class InputBatch:
 
     def _write_row(self, seq: Sequence, row: int | None, whole: bool, updates: Updates) -> int:
         """Queue the writes that bring ``seq``'s row (a new one for None) up to date with
-        its block table: all of it when ``whole`` or new, else from its old last entry
-        on; zeros over the rest of the row's old table. Returns the row."""
+        its block tables: all of them when ``whole`` or new, else from their old last entry
+        on; zeros over the rest of the row's old tables. Returns the row."""
         table = seq.block_table
         if row is None:
             row = self.row_of[seq.seq_id] = self._take_row()
@@ -196,11 +213,14 @@ class InputBatch:
         first = 0 if whole else max(min(len(table), old_length) - 1, 0)
         rows, columns, values = updates
         columns += range(first, max(len(table), old_length))
-        values += table[first:]
-        values += [0] * (old_length - len(table))
+        if not values:
+            values += [[] for _ in self.tables]
+        for group_values, group_table in zip(values, seq.tables(), strict=True):
+            group_values += group_table[first:]
+            group_values += [0] * (old_length - len(table))
         rows += [row] * (len(columns) - len(rows))
         self.lengths[row] = len(table)
-        self.last_blocks[row] = table[-1] if table else -1
+        self.last_blocks[row] = _last(seq) if table else -1
         return row
 
     def _apply(self, updates: Updates) -> None:
@@ -208,11 +228,23 @@ class InputBatch:
         rows, columns, values = updates
         if not rows:
             return
+        num_rows, old_width = self.tables[0].shape
         width = max(columns) + 1
-        if width > self.tables.shape[1]:
-            self.tables = torch.cat([self.tables, torch.zeros(
-                self.tables.shape[0], width - self.tables.shape[1], dtype=torch.long)], dim=1)
-        self.tables[torch.tensor(rows), torch.tensor(columns)] = torch.tensor(values)
+        if width > old_width:
+            self.tables = [torch.cat([tables, torch.zeros(
+                num_rows, width - old_width, dtype=torch.long)], dim=1)
+                for tables in self.tables]
+        rows_t, columns_t = torch.tensor(rows), torch.tensor(columns)
+        for tables, group_values in zip(self.tables, values, strict=True):
+            tables[rows_t, columns_t] = torch.tensor(group_values)
+
+
+def _last(seq: Sequence) -> int | tuple[int, ...]:
+    """The last entry of ``seq``'s block table, with every other KV group's: what a decode's
+    step changes when it adds a block or copies its last one on write."""
+    if not seq.group_tables:
+        return seq.block_table[-1]
+    return tuple(table[-1] for table in seq.tables())
 
 
 def scored_positions(batch: ScheduledBatch) -> ScoredPositions:

@@ -4,6 +4,9 @@ spec (``models/weight_spec.py``: each checkpoint tensor's parameter, split and s
 Tensors are read straight from the file into the parameters' memory (``readinto``) when
 dtype and device allow, so loading needs no second copy of the weights and maps no file
 pages into the process (a memory-mapped read would count the whole file in peak RSS).
+MXFP4 tensors (GPT-OSS's experts: ``<name>_blocks`` and ``<name>_scales``, uint8) are
+dequantized to the model's dtype once both halves are read (``models/mxfp4.py``), then
+loaded as the checkpoint's ``<name>``.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ from typing import BinaryIO
 import torch
 
 from ..parallel.tensor_parallel import local_shape, local_slice
-from .models import CausalLM, WeightTarget
+from .models import CausalLM, WeightTarget, mxfp4
 
 # Buffers some checkpoints carry that Tandem recomputes instead.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
                       "BF16": torch.bfloat16}
+PACKED_DTYPES = {"U8": torch.uint8}  # MXFP4's blocks and scales
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -47,24 +51,28 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
     under another layout's name goes where the model's ``unalias`` maps it.
 
     Raises:
-        ValueError: on an unknown name, a shape mismatch, an unsupported dtype, or a
-            tensor of the spec the checkpoint lacks.
+        ValueError: on an unknown name, a shape mismatch, an unsupported dtype, a tensor of
+            the spec the checkpoint lacks, or half of an MXFP4 pair (blocks without scales,
+            or scales without blocks) or a pair whose shapes do not match.
     """
     spec, params = model.weight_spec(), dict(model.named_parameters())
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - set(params)
     loaded: set[str] = set()
+    halves: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 pairs, by tensor, until whole
     for path in safetensors_files(model_dir):
         with open(path, "rb") as file:
             for name, entry, data_start in _read_header(file):
                 if name.endswith(IGNORED_SUFFIXES) or name in tied:
                     continue
-                _check_dtype(name, entry)
+                if mxfp4.packed_part(name) is not None:
+                    _check_dtype(name, entry, PACKED_DTYPES)
+                    loaded |= _take_half(model, spec, params, halves, name,
+                                         _read_tensor(file, data_start, entry))
+                    continue
+                _check_dtype(name, entry, SAFETENSORS_DTYPES)
                 if name not in spec:
-                    tensor = _read_tensor(file, data_start, entry)
-                    for alias, part in _unalias(model, name, tensor):
-                        _copy_into(_destination(spec, alias, tuple(part.shape), params, model),
-                                   spec[alias].split, part, model)
-                        loaded.add(alias)
+                    loaded |= _load_tensor(model, spec, params, name,
+                                           _read_tensor(file, data_start, entry))
                     continue
                 destination = _destination(spec, name, tuple(entry["shape"]), params, model)
                 if model.tp.size == 1 and destination.is_contiguous():
@@ -73,6 +81,10 @@ def load_weights(model: CausalLM, model_dir: Path) -> None:
                     _copy_into(destination, spec[name].split,
                                _read_tensor(file, data_start, entry), model)
                 loaded.add(name)
+    for name, pair in halves.items():
+        (have,), (lacks,) = pair, set(mxfp4.SUFFIXES) - set(pair)
+        raise ValueError(f"checkpoint in {model_dir} has {name}{have} without {name}{lacks}: "
+                         "an MXFP4 tensor needs both; re-export the checkpoint.")
     missing = set(spec) - loaded
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks {len(missing)} parameters, e.g. "
@@ -87,10 +99,38 @@ def _read_header(file: BinaryIO) -> list[tuple[str, dict, int]]:
     return [(name, entry, 8 + header_size) for name, entry in header.items()]
 
 
-def _check_dtype(name: str, entry: dict) -> None:
-    if entry["dtype"] not in SAFETENSORS_DTYPES:
+def _check_dtype(name: str, entry: dict, dtypes: dict[str, torch.dtype]) -> None:
+    if entry["dtype"] not in dtypes:
         raise ValueError(f"checkpoint tensor {name!r} has dtype {entry['dtype']}; Tandem loads "
-                         f"{', '.join(SAFETENSORS_DTYPES)}.")
+                         f"{', '.join(dtypes)} for it.")
+
+
+def _take_half(model: CausalLM, spec: dict[str, WeightTarget], params: dict[str, torch.Tensor],
+               halves: dict[str, dict[str, torch.Tensor]], name: str, tensor: torch.Tensor
+               ) -> set[str]:
+    """Keep ``tensor``, one half of an MXFP4 pair, in ``halves`` until the other comes; then
+    load the pair's tensor, dequantized to the model's dtype. Returns the spec's names
+    loaded (none until the pair is whole)."""
+    stem, suffix = mxfp4.packed_part(name)
+    pair = halves.setdefault(stem, {})
+    pair[suffix] = tensor
+    if len(pair) < len(mxfp4.SUFFIXES):
+        return set()
+    del halves[stem]
+    full = mxfp4.dequantize(stem, pair["_blocks"], pair["_scales"], model.lm_head.weight.dtype)
+    return _load_tensor(model, spec, params, stem, full)
+
+
+def _load_tensor(model: CausalLM, spec: dict[str, WeightTarget],
+                 params: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> set[str]:
+    """Copy the full ``tensor`` named ``name`` (the spec's, or another layout's that the
+    model's ``unalias`` maps) into its parameters' parts on this rank. Returns the spec's
+    names it filled."""
+    pairs = [(name, tensor)] if name in spec else _unalias(model, name, tensor)
+    for alias, part in pairs:
+        _copy_into(_destination(spec, alias, tuple(part.shape), params, model),
+                   spec[alias].split, part, model)
+    return {alias for alias, _ in pairs}
 
 
 def _unalias(model: CausalLM, name: str, tensor: torch.Tensor
@@ -138,5 +178,5 @@ def _read_tensor(file: BinaryIO, data_start: int, entry: dict) -> torch.Tensor:
     begin, end = entry["data_offsets"]
     file.seek(data_start + begin)
     staged = torch.frombuffer(bytearray(file.read(end - begin)),
-                              dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+                              dtype={**SAFETENSORS_DTYPES, **PACKED_DTYPES}[entry["dtype"]])
     return staged.view(entry["shape"])

@@ -11,6 +11,11 @@ share come the weights the engine owns, a reserve for staging a full weight upda
 staged protocol holds a second copy until commit), the activation and logits peak of the
 largest step, the memory pool of the captured decode graphs, and the KV pool, which gets
 the rest.
+
+A block of the pool is a page of the model's KV groups (``core/kv_groups.py``): one group's
+``rows`` layers by ``block_size`` tokens (every layer, for a model without sliding layers
+that cut into its contexts). The pool must hold one max_model_len prompt in every group
+(a prompt's pages are all allocated on admission) and the null page of the dropped ones.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from transformers import PretrainedConfig
 
 from ..config import EngineConfig
 from ..core.block_manager import num_blocks_for
+from ..core.kv_groups import KVGroups, kv_groups
 from ..core.scheduler import MAX_SCORED_TOKENS
 from .models import model_class
 
@@ -47,22 +53,29 @@ class MemoryPlan:
 
 @dataclass(slots=True)
 class KVCacheSize:
-    """How many KV blocks the pool has, each how large, and the plan it came from (CUDA
-    shares only)."""
+    """How many KV blocks the pool has, each how large, the KV groups they are pages of, and
+    the plan it came from (CUDA shares only)."""
 
     num_blocks: int
     block_bytes: int
+    groups: KVGroups
     plan: MemoryPlan | None = None
 
 
+def model_kv_groups(config: PretrainedConfig, max_model_len: int) -> KVGroups:
+    """The KV groups of the config's model for contexts up to ``max_model_len``: its
+    layers' sliding windows (``CausalLM.layer_windows``) grouped (``kv_groups``)."""
+    return kv_groups(model_class(config).layer_windows(config), max_model_len)
+
+
 def kv_block_bytes(config: PretrainedConfig, block_size: int, dtype: torch.dtype,
-                   tensor_parallel_size: int = 1) -> int:
-    """Bytes one KV block takes across all layers (K and V) on one rank (which holds its
-    share of the KV heads), its elements of ``dtype``, the pool's (one byte for FP8, whose
-    scales live outside the pool)."""
+                   tensor_parallel_size: int = 1, rows: int | None = None) -> int:
+    """Bytes one KV block (a page) takes across its ``rows`` layers (default: all of them;
+    K and V) on one rank (which holds its share of the KV heads), its elements of
+    ``dtype``, the pool's (one byte for FP8, whose scales live outside the pool)."""
     shape = model_class(config).kv_shape(config, tensor_parallel_size)
     per_token = 2 * shape.num_kv_heads * shape.head_dim * dtype.itemsize
-    return per_token * shape.num_layers * block_size
+    return per_token * (rows or shape.num_layers) * block_size
 
 
 def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: torch.dtype,
@@ -78,8 +91,9 @@ def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: t
         ValueError: when the pool cannot hold one max_model_len sequence (naming the options
             that fix it), or the device share leaves nothing for it (see ``plan_memory``).
     """
+    groups = model_kv_groups(hf_config, max_model_len)
     block_bytes = kv_block_bytes(hf_config, config.block_size, kv_dtype,
-                                 config.tensor_parallel_size)
+                                 config.tensor_parallel_size, groups.rows)
     plan = None
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -94,13 +108,14 @@ def size_kv_cache(config: EngineConfig, hf_config: PretrainedConfig, kv_dtype: t
             activation_bytes(hf_config, config.max_num_batched_tokens, config.max_num_seqs),
             graph_pool_bytes(hf_config, graph_sizes), staging_bytes)
         num_blocks = plan.kv_cache_bytes // block_bytes
-    _check_holds_one_sequence(num_blocks, block_bytes, config.block_size, max_model_len)
-    return KVCacheSize(num_blocks, block_bytes, plan)
+    _check_holds_one_sequence(num_blocks, block_bytes, config.block_size, max_model_len,
+                              groups)
+    return KVCacheSize(num_blocks, block_bytes, groups, plan)
 
 
 def _check_holds_one_sequence(num_blocks: int, block_bytes: int, block_size: int,
-                              max_model_len: int) -> None:
-    needed = num_blocks_for(max_model_len, block_size)
+                              max_model_len: int, groups: KVGroups) -> None:
+    needed = num_blocks_for(max_model_len, block_size) * groups.num_groups + groups.windowed
     if num_blocks < needed:
         raise ValueError(
             f"the KV pool ({num_blocks} blocks of {block_size} tokens, {block_bytes} bytes "

@@ -34,6 +34,7 @@ from .cuda_graphs import DecodeGraphs, graph_addresses, graph_batch_sizes
 from .device_sample import HostCopy, RoutedExperts
 from .input_batch import InputBatch, ScoredPositions, StepInputs
 from .loader import load_weights
+from .memory import model_kv_groups
 from .models import CausalLM, KVShape, build_model
 from .models.layers import LoraLinear, stack_lora
 from .models.moe import FusedMoE
@@ -91,7 +92,9 @@ class ModelRunner:
             if device.type == "cuda" else None
         self._plan_linear_layers()
         self.sampler = Sampler(set(config.eos_token_ids), config.seed, device)
-        self.input_batch = InputBatch(config.block_size, device, self.ops.attention.cascade)
+        self.kv_groups = model_kv_groups(hf_config, config.max_model_len)
+        self.input_batch = InputBatch(config.block_size, device, self.ops.attention.cascade,
+                                      self.kv_groups.num_groups)
         self.kv_cache = torch.empty(0)
         self.kv_region: ReleasableMemory | None = None
         self.kv_scales = self._bind_kv_scales()
@@ -291,14 +294,18 @@ class ModelRunner:
         return scales
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` of
-        ``kv_dtype``, stored head-major (``pool_layout``); ``kv_heads`` this rank's.
+        """Allocate the pool ``[2, rows, num_blocks, block_size, kv_heads, head_dim]`` of
+        ``kv_dtype``, stored head-major (``pool_layout``); ``kv_heads`` this rank's. Each
+        layer reads and writes its KV group's ``rows`` (``kv_groups.py``: every layer its
+        own row where the model has one group) through its group's tables
+        (``kv_group``).
 
         It lives in a ``ReleasableMemory``, zeroed: after ``free_kv_cache`` it comes back at
         the same address (the decode graphs hold it). On CPU it is resident where written.
         """
         shape = self.kv_shape
-        storage, order = self.ops.attention.kv_layout((2, shape.num_layers, num_blocks,
+        groups = self.kv_groups
+        storage, order = self.ops.attention.kv_layout((2, groups.rows, num_blocks,
                                                        self.block_size, shape.num_kv_heads,
                                                        shape.head_dim))
         num_bytes = math.prod(storage) * self.kv_dtype.itemsize
@@ -311,8 +318,9 @@ class ModelRunner:
             if self.kv_region is None else self.kv_region.tensor
         self.kv_cache = typed_view(flat, 0, storage, self.kv_dtype).permute(order)
         for layer, attention in enumerate(self.model.attention_layers()):
-            attention.k_cache = self.kv_cache[0, layer]
-            attention.v_cache = self.kv_cache[1, layer]
+            attention.k_cache = self.kv_cache[0, groups.row_of[layer]]
+            attention.v_cache = self.kv_cache[1, groups.row_of[layer]]
+            attention.kv_group = groups.group_of[layer]
 
     @property
     def routing(self) -> RoutingFormat | None:
@@ -360,7 +368,7 @@ class ModelRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         graphs = DecodeGraphs(self.graph_sizes, self.max_blocks_per_seq, self.device,
-                              self.ops.attention)
+                              self.ops.attention, self.kv_groups.num_groups)
         # The capture's side stream is the current device's, whatever thread captures.
         with torch.inference_mode(), torch.cuda.device(self.device):
             graphs.capture(self.model)

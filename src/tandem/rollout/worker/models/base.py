@@ -15,9 +15,14 @@ declare their tensor-parallel split and Hugging Face tensors), and provides:
   projections in the order its forward pass runs them, those reading one input as one
   ``FusedProjections``;
 - the class methods ``check_config`` (refuse what the family cannot run) and ``kv_shape``
-  (the KV pool's shape per rank, known before the model is built), and the class attributes
+  (the KV pool's shape per rank, known before the model is built; with ``layer_windows``,
+  each layer's sliding window, which groups the pool's pages), and the class attributes
   ``lora_targets`` (the module names a trainer's adapter targets by default) and
   ``batch_invariant`` (whether its layers support exact log-probs).
+
+A family whose logits are soft-capped (Gemma 2's ``final_logit_softcapping``) sets
+``final_logit_softcap``: ``compute_logits`` caps them for sampling and prompt log-probs,
+and the trainer's exact forward through ``soft_cap`` as well.
 
 From these ``CausalLM`` derives the weight spec (``weight_spec``; a layer's ``aliases`` map
 another layout's names onto it, ``unalias``), logits under tensor parallelism, the CPU
@@ -73,6 +78,7 @@ class CausalLM(nn.Module):
     rotary_emb: RotaryEmbedding
     linear_layout: str | None = None  # see pack_linear_weights
     quantization: str | None = None  # see quantize_weights
+    final_logit_softcap: float | None = None  # see soft_cap
 
     @classmethod
     def check_config(cls, config: PretrainedConfig) -> None:
@@ -82,6 +88,12 @@ class CausalLM(nn.Module):
     def kv_shape(cls, config: PretrainedConfig, tp_size: int) -> KVShape:
         """The KV pool's shape on one of ``tp_size`` ranks."""
         raise NotImplementedError
+
+    @classmethod
+    def layer_windows(cls, config: PretrainedConfig) -> list[int | None]:
+        """Each layer's sliding window (None: full attention), as its attention module's
+        ``sliding_window`` will be: the KV pool groups layers by it (``kv_groups.py``)."""
+        return [None] * cls.kv_shape(config, 1).num_layers
 
     def input_embedding(self) -> VocabEmbedding:
         """The token embedding."""
@@ -135,12 +147,19 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Vocabulary logits of the given hidden rows (under tensor parallelism gathered on
         the driver; None on the other ranks)."""
-        logits = self.lm_head(hidden)
+        logits = self.soft_cap(self.lm_head(hidden))  # per element: before the gather
         if self.tp.size == 1:
             return logits
         rows = vocab_per_rank(self.config.vocab_size, self.tp.size)
         logits = F.pad(logits, (0, rows - logits.shape[-1]))
         return self.tp.gather_vocab(logits, self.config.vocab_size)
+
+    def soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's ``logits`` soft-capped where the family sets
+        ``final_logit_softcap`` c: ``c tanh(logits / c)``, in their dtype as transformers
+        computes it (as they are where it is None)."""
+        cap = self.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def fused_projections(self) -> list[FusedProjections]:
         """Every layer's projections that read one input."""

@@ -43,9 +43,16 @@ class LlamaAttention(nn.Module):
     FP8 pool through its scales ``k_scale``/``v_scale``, which the runner binds); the
     leading ``rotary_dim`` dimensions of each head rotate (all unless the config rotates
     part of each head). ``sliding_window`` (set by the decoder layer from the config,
-    ``sliding_window_of``; None: full attention) limits each token to its last positions."""
+    ``sliding_window_of``; None: full attention) limits each token to its last positions.
+    ``sinks`` (None: none) is each of this rank's query heads' sink logit, joining its
+    softmax (GPT-OSS: a subclass sets it to an ``nn.Parameter`` ``[local heads]`` after
+    ``__init__``, which sets it None: a class attribute would make torch refuse the
+    parameter); ``logit_softcap`` (None: none) soft-caps the scores (a family sets it from
+    its config, as Gemma 2's ``attn_logit_softcapping``)."""
 
     sliding_window: int | None = None
+    logit_softcap: float | None = None
+    kv_group: int = 0  # its KV group (bound with the pool): whose tables it reads
 
     def __init__(self, config: PretrainedConfig, arch: ArchitectureSpec, ops: KernelOps,
                  tp: TensorParallel) -> None:
@@ -65,12 +72,13 @@ class LlamaAttention(nn.Module):
         self.qkv = self.input_projections(hidden, q_size, kv_size, qkv_bias)
         self.o_proj = LoraLinear(q_size, hidden, o_bias, ROW)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.q_norm = arch.norm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = arch.norm(self.head_dim, config.rms_norm_eps, ops)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
+        self.sinks: torch.Tensor | None = None
 
     def input_projections(self, hidden: int, q_size: int, kv_size: int, bias: bool
                           ) -> FusedProjections:
@@ -96,11 +104,14 @@ class LlamaAttention(nn.Module):
         window = self.sliding_window
         if self.ops.causal_attention is not None:  # a trainer's forward: no pool
             out = self.ops.causal_attention(q, k, v, metadata, self.scale, *scales,
-                                            sliding_window=window)
+                                            sliding_window=window, sinks=self.sinks,
+                                            softcap=self.logit_softcap)
         else:
+            metadata = metadata.of_group(self.kv_group)
             self.ops.store_kv(k, v, self.k_cache, self.v_cache, metadata.slot_mapping, *scales)
             out = self.ops.paged_attention(q, self.k_cache, self.v_cache, metadata, self.scale,
-                                           *scales, sliding_window=window)
+                                           *scales, sliding_window=window, sinks=self.sinks,
+                                           softcap=self.logit_softcap)
         return self.tp.all_reduce(self.o_proj(out.flatten(1)))
 
 
@@ -152,6 +163,9 @@ class ArchitectureSpec:
     # built as attention(config, arch, ops, tp); it exposes ``qkv`` (giving q, k and v) and
     # ``o_proj``
     attention: type[nn.Module] = LlamaAttention
+    # every layer norm (q/k norms included), built as norm(size, eps, ops): Gemma's scales
+    # by 1 + weight
+    norm: type[RMSNorm] = RMSNorm
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -168,8 +182,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn.sliding_window = sliding_window_of(config, index)
         sparse = arch.moe is not None and sparse_layer(config, index)
         self.mlp = arch.moe(config, ops, tp) if sparse else arch.mlp(config, ops, tp)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.input_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = arch.norm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, rope: Rope, hidden: torch.Tensor, residual: torch.Tensor | None,
                 metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +208,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, arch, ops, tp, index)
             for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.norm = arch.norm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -212,6 +226,9 @@ class LlamaForCausalLM(CausalLM):
     (under tensor parallelism both hold this rank's rows of the vocabulary)."""
 
     arch: ClassVar[ArchitectureSpec] = ArchitectureSpec(bias_from_config=True)
+    # the embedding, decoder layers and final norm, built as backbone(config, arch,
+    # max_position, device, ops, tp), with ``embed_tokens``, ``layers`` and ``rotary_emb``
+    backbone: ClassVar[type[nn.Module]] = LlamaModel
     lora_targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                     "down_proj")
 
@@ -220,7 +237,7 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, self.arch, max_position, device, ops, tp)
+        self.model = self.backbone(config, self.arch, max_position, device, ops, tp)
         self.rotary_emb = self.model.rotary_emb
         _, start, stop = self.model.embed_tokens.vocab_rows
         self.lm_head = Linear(config.hidden_size, stop - start, False, VOCAB)
@@ -236,6 +253,11 @@ class LlamaForCausalLM(CausalLM):
         if issubclass(cls.arch.mlp, LlamaMLP) and config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only "
                              "'silu').")
+
+    @classmethod
+    def layer_windows(cls, config: PretrainedConfig) -> list[int | None]:
+        """Each layer's ``sliding_window_of``."""
+        return [sliding_window_of(config, index) for index in range(config.num_hidden_layers)]
 
     @classmethod
     def kv_shape(cls, config: PretrainedConfig, tp_size: int) -> KVShape:

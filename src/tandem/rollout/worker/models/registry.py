@@ -26,7 +26,10 @@ _MODELS: dict[str, type[CausalLM] | str] = {
        ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
     **{name: f"{_PACKAGE}.mixtures:{name}" for name in
        ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")},
-    "Phi3ForCausalLM": f"{_PACKAGE}.phi3:Phi3ForCausalLM"}
+    **{name: f"{_PACKAGE}.gemma3:{name}" for name in
+       ("Gemma3ForCausalLM", "Gemma2ForCausalLM")},
+    "Phi3ForCausalLM": f"{_PACKAGE}.phi3:Phi3ForCausalLM",
+    "GptOssForCausalLM": f"{_PACKAGE}.gpt_oss:GptOssForCausalLM"}
 _EXTERNAL: dict[str, str] = {}
 
 
