@@ -30,6 +30,8 @@ engines still alive):
   the one sent.
 - ``bandwidth``: paged decode attention at batch 256, context 1k and 4k, against the device
   copy (target: 60%).
+- ``families``: Phi-3, Gemma 3, Gemma 2 and GPT-OSS (small random models, windows the
+  prompts pass): greedy tokens, Triton with graphs, against eager transformers in float32.
 - ``sliding``: sliding-window decode at batch 32, contexts 4k and 32k, windows 128
   (GPT-OSS) and 1024 (Gemma 3): the window's K/V bytes per second against the device copy,
   and the speedup over the same contexts without a window.
@@ -112,6 +114,7 @@ from gpu_check_engine import (  # noqa: E402
     greedy,
 )
 from gpu_check_exact import check_exact  # noqa: E402
+from gpu_check_families import check_families  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     check_bandwidth,
     check_fp8_kv,
@@ -223,6 +226,7 @@ def sections(rec: Recorder, folder: Path, work: Path) -> dict[str, tuple[float, 
             "exact": (25, lambda: check_exact(rec, folder)),
             "moe": (10, lambda: check_moe(rec)),
             "moe_graphs": (35, lambda: check_moe_graphs(rec, moe_folder(rec, work))),
+            "families": (30, lambda: check_families(rec, work)),
             "fp8_kv": (30, lambda: check_fp8_kv(rec, shape, folder)),
             "quantized": (35, lambda: check_quantized_section(rec, folder)),
             "resources": (2, lambda: check_resources(rec)),

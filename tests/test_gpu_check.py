@@ -17,9 +17,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = {"kernels", "tokens", "sync_free", "memory", "lifecycle", "updates", "ipc",
-            "receive_decode", "bandwidth", "sliding", "decode", "nano_bench", "server", "grpo",
-            "structured", "exact", "moe", "moe_graphs", "fp8_kv", "quantized", "resources",
-            "qwen3_8b", "tensor_parallel", "devices"}
+            "receive_decode", "bandwidth", "sliding", "families", "decode", "nano_bench",
+            "server", "grpo", "structured", "exact", "moe", "moe_graphs", "fp8_kv", "quantized",
+            "resources", "qwen3_8b", "tensor_parallel", "devices"}
 SYNC_FREE_CONFIGS = ["dense, greedy", "min_tokens", "penalties", "top-p/top-k", "seeded",
                      "unseeded", "log-probs, top 5", "MoE, fused Triton experts",
                      "routing replay", "FP8 KV", "int8 weights"]

@@ -19,7 +19,7 @@ from tandem.rollout.parallel.tensor_parallel import COLUMN, KV_HEADS
 from tandem.rollout.worker.models import model_class
 from tandem.rollout.worker.models.phi3 import Phi3ForCausalLM
 from tandem.rollout.worker.models.rotary import RotaryEmbedding
-from tandem.trainers.policy import token_batch
+from tandem.trainers.policy import completion_logprobs, token_batch
 
 from .conftest import build_tokenizer
 from .test_exact_logprobs import (
@@ -225,6 +225,31 @@ def test_a_run_time_adapter_on_the_unequal_qkv_parts_equals_its_merge(phi3_dir):
         torch.randn(3, GEOMETRY["hidden_size"], generator=generator) * 0.1,
         torch.randn(count, 3, generator=generator) * 0.1, 0.5) for part, count in rows.items()}
     assert_runtime_lora_equals_its_merge(phi3_dir("phi3"), factors, PROMPTS)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_time_peft_adapter_on_the_packed_modules_is_exact(phi3_dir, dtype):
+    # peft adapts the packed qkv_proj and gate_up_proj whole; the engine serves one adapter
+    # per part, stacked; the trainer's twin stacks them alike.
+    from peft import LoraConfig, get_peft_model
+
+    from tandem.sync import LoraSync, peft_adapter_state
+
+    path = phi3_dir("longrope")
+    llm = LLM(str(path), dtype=dtype, max_model_len=ORIGINAL)
+    model = get_peft_model(reference(path, getattr(torch, dtype)), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj", "o_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    LoraSync(llm, mode="runtime").update(*peft_adapter_state(model))
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=2, logprobs=0, n=2,
+                            ignore_eos=True)
+    prompts, completions, sampler_logprobs, _ = sampled(llm, params, PROMPTS)
+    exact = llm.exact_forward(model, lora_runtime=True)
+    batch = token_batch(prompts, completions, 0)
+    logprobs, _, _ = completion_logprobs(exact, batch, 1.0)
+    assert_exact(logprobs, batch.completion_mask, sampler_logprobs)
 
 
 def test_tp2_equals_tp1_and_takes_a_full_update(phi3_dir):

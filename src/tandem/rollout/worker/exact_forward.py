@@ -25,6 +25,7 @@ engine serves (the base's quantized weight, dequantized), then quantized.
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -91,10 +92,6 @@ class ExactForward:
             self.quantized_modules = {name for name, module in self.twin.named_modules()
                                       if id(module) in quantized}
         self.spec = self.twin.weight_spec()
-        if lora_runtime and any(target.slot for target in self.spec.values()):
-            raise ValueError("exact_logprobs with a run-time LoRA adapter needs a model whose "
-                             "layers each hold one Hugging Face module; use the lora "
-                             "sync_mode 'merge'.")
         # As transformers' embedding: the padding token's row gets no gradient.
         pad = getattr(config, "pad_token_id", None)
         self.twin.input_embedding().padding_idx = pad if pad is not None and \
@@ -128,9 +125,11 @@ class ExactForward:
                 continue
             base = tensors[f"{module}.weight"]
             if self.lora_runtime:  # the engine adds x A^T B^T s, its factors in its dtype
-                tensors[f"{module}.lora_a"] = pair["A"].to(base.dtype)
-                tensors[f"{module}.lora_b"] = pair["B"].to(base.dtype)
-                self.twin_layers[module].lora_scale = scale
+                layer = self.twin_layers[module]
+                lora_a, lora_b, layer.lora_scale = _runtime_factors(layer, pair["A"],
+                                                                    pair["B"], scale)
+                tensors[f"{module}.lora_a"] = lora_a.to(base.dtype)
+                tensors[f"{module}.lora_b"] = lora_b.to(base.dtype)
                 continue
             factors = LoraFactors(pair["A"].float(), pair["B"].float(), scale)
             tensors[f"{module}.weight"] = factors.merged(self._served(module, base)).to(
@@ -170,6 +169,22 @@ class ExactForward:
         logits = functional_call(self.twin.lm_head, {"weight": tensors[self.head]}, (kept,))
         # soft-capped as the engine's compute_logits caps them (Gemma 2)
         return ExactOutput(self.twin.soft_cap(logits), (kept,) if output_hidden_states else None)
+
+
+def _runtime_factors(layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """The factors the engine serves a trainer's adapter ``(A, B, scale)`` on ``layer``
+    with, differentiably: as given on a layer of one part; on a packed layer (Phi-3's
+    ``qkv_proj``) one adapter per part as ``LoraSync`` splits it (A shared, each part its
+    rows of B) stacked as ``stack_lora`` stacks them (the A's repeated, the B's block-diagonal
+    with the scale folded in, in float32), so the product has the engine's bits."""
+    if len(layer.parts) <= 1:
+        return lora_a, lora_b, scale
+    lora_a, lora_b = lora_a.float(), lora_b.float()
+    starts = itertools.accumulate(layer.part_rows, initial=0)
+    blocks = [lora_b[start:start + rows] * scale
+              for start, rows in zip(starts, layer.part_rows)]
+    return torch.cat([lora_a] * len(blocks)), torch.block_diag(*blocks), 1.0
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:

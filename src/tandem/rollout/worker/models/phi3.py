@@ -17,8 +17,8 @@ factors are chosen once per engine by ``max_model_len`` (see there).
 A PEFT adapter on the packed modules (``qkv_proj``, ``gate_up_proj``, as ``lora_targets``
 names them for a trainer's transformers model) is split into the parts by ``LoraSync``
 (A shared, each part its rows of B, merged as rows of the one packed product, as PEFT
-merges). Not yet: run-time adapters under exact log-probs (``ExactForward`` binds one
-Hugging Face module per layer; merge mode is exact).
+merges); served at run time, the parts' adapters are stacked (``stack_lora``), and the
+trainer's exact forward stacks the packed adapter alike, so its log-probs stay the engine's.
 """
 
 from __future__ import annotations
