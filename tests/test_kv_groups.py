@@ -40,11 +40,12 @@ def test_gemma3_five_sliding_to_one_full_take_a_full_group_and_six_sliding_ones(
         {(g, r) for g in range(7) for r in range(4)} - {(6, 2), (6, 3)})
 
 
-def test_windows_that_never_cut_or_no_full_layer_keep_one_group_of_every_layer():
+def test_windows_that_never_cut_keep_one_group_and_every_layer_sliding_one_sliding_group():
     alternating = [8, None, 8, None]
     assert kv_groups(alternating, 8) == single_group(4)  # no context passes the window
-    assert kv_groups([8] * 4, 4096) == single_group(4)  # nothing keys the prefix cache
     assert kv_groups(alternating, 9).windows == (None, 8)
+    every = kv_groups([8] * 4, 4096)  # Mistral, Phi-3: group 0 slides
+    assert every.windows == (8,) and every.rows == 4
 
 
 def sliding_llm(path, **options) -> LLM:
@@ -98,6 +99,23 @@ def test_a_held_completion_continues_past_the_window_as_a_fresh_prefill(window_d
     assert second.outputs[0].token_ids == \
         fresh.generate([conversation], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_every_layer_sliding_keeps_a_window_and_matches_transformers(window_dir):  # noqa: F811
+    # Mistral's layers all slide: group 0 drops pages too; a prefix-cache hit past the
+    # window takes only the window's blocks.
+    path = window_dir("mistral")
+    llm = sliding_llm(path, num_kv_blocks=60)
+    assert llm.engine.kv_groups.windows == (WINDOW,)
+    prompt = PROMPTS[0]
+    hf_model = reference(path)
+    for _ in range(2):  # the second prompt hits the cache beyond the window
+        output = llm.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert output == hf_greedy(hf_model, prompt, 40)
+    stats = llm.stats()
+    assert stats["prefix_cache_hit_tokens"] >= len(prompt) - BLOCK - 1
+    assert stats["kv_blocks_used_peak"] <= -(-len(prompt) // BLOCK) + 1  # the prompt's
+    assert stats["kv_blocks_used"] == 0
 
 
 def test_sleep_and_wake_then_tp2_give_the_same_tokens(window_dir):  # noqa: F811

@@ -17,7 +17,8 @@ first, so a chain's tail is evicted before its head. The pool's resident memory 
 grow to its configured size: that is what the cache is for.
 
 KV groups (``kv_groups.py``): with sliding layers a sequence holds one table per group,
-``block_table`` (group 0, full attention) and ``group_tables`` (the others), all drawing
+``block_table`` (group 0: full attention unless every layer slides) and ``group_tables``
+(the others), all drawing
 pages from one free list, each logical block a page per group. A sliding group's table
 drops (to ``NULL_PAGE``, a page never handed out) the pages that fall wholly before its
 window when the sequence next allocates; a sequence's pages are all allocated with its
@@ -126,7 +127,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.windows = windows  # per KV group, its sliding window (None: full); group 0 full
+        self.windows = windows  # per KV group, its sliding window (None: full)
         self.num_reserved = 1 if any(w is not None for w in windows) else 0  # NULL_PAGE
         # The engine sets this to (weight_version, lora_id) whenever the weights change.
         self.extra_key: ExtraKey = (0, None)
@@ -193,15 +194,17 @@ class BlockManager:
         num_computed = seq.num_computed_tokens + len(hits) * self.block_size
         if not admitting:
             self._drop_out_of_window(seq, num_computed)
+        first = self._first_needed(self.windows[0], num_computed) if hits else 0
+        held = [NULL_PAGE] * first + hits[first:]  # group 0's: a sliding one's window only
         shared = self._shared_pages_at(seq, num_computed)
         grow = num_blocks_for(seq.num_tokens, self.block_size) - len(seq.block_table) - len(hits)
-        taken = hits + [page for group in pages for page in group if self._real(page)]
+        taken = [page for group in (held, *pages) for page in group if self._real(page)]
         taken_free = sum(self.blocks[b].ref_count == 0 for b in taken)
         if max(grow, 0) * len(self.windows) + len(shared) + taken_free > self.num_free_blocks:
             return None
         for block_id in hits:
             seq.block_hashes.append(self.blocks[block_id].block_hash)
-        for table, group in zip(seq.tables(), [hits, *pages], strict=True):
+        for table, group in zip(seq.tables(), [held, *pages], strict=True):
             for block_id in group:
                 if self._real(block_id):
                     self._take(block_id)
@@ -252,7 +255,8 @@ class BlockManager:
         for seq in seqs[1:]:
             table = seq.block_table
             shared = 0
-            while shared < num_shared and table[shared] == first[shared]:
+            while shared < num_shared and table[shared] == first[shared] \
+                    and self._real(first[shared]):
                 shared += 1
             num_shared = shared
         return num_shared
@@ -323,7 +327,7 @@ class BlockManager:
         (``NULL_PAGE`` before); None when one of them is gone."""
         num_tokens, found = len(hits) * self.block_size, []
         for group, window in enumerate(self.windows[1:]):
-            first = 0 if window is None else max(num_tokens - window + 1, 0) // self.block_size
+            first = self._first_needed(window, num_tokens)
             pages = [NULL_PAGE] * first
             for block_id in hits[first:]:
                 kept = self.blocks[block_id].pages
@@ -333,15 +337,19 @@ class BlockManager:
             found.append(pages)
         return found
 
+    def _first_needed(self, window: int | None, position: int) -> int:
+        """The first block a token at ``position`` attends under ``window`` (0: full)."""
+        return 0 if window is None else max(position - window + 1, 0) // self.block_size
+
     def _drop_out_of_window(self, seq: Sequence, position: int) -> None:
         """Release ``seq``'s pages, in each sliding group, of the blocks wholly before the
         window of ``position`` (the first token it computes next): no token from there on
         attends them. Dropped pages form a prefix of the table, so this walks back from
         the window to the last page dropped before."""
-        for table, window in zip(seq.group_tables, self.windows[1:], strict=True):
+        for table, window in zip(seq.tables(), self.windows, strict=True):
             if window is None:
                 continue
-            index = min(max(position - window + 1, 0) // self.block_size, len(table)) - 1
+            index = min(self._first_needed(window, position), len(table)) - 1
             while index >= 0 and table[index] != NULL_PAGE:
                 self._unref(table[index])
                 table[index] = NULL_PAGE
@@ -355,9 +363,9 @@ class BlockManager:
     def _drop_due(self, seq: Sequence, position: int) -> bool:
         """True when a sliding group of ``seq`` holds a page wholly before the window of
         ``position`` (dropped pages form a prefix: the last before the window tells)."""
-        for table, window in zip(seq.group_tables, self.windows[1:], strict=True):
+        for table, window in zip(seq.tables(), self.windows, strict=True):
             if window is not None:
-                first = max(position - window + 1, 0) // self.block_size
+                first = self._first_needed(window, position)
                 if first and table[first - 1] != NULL_PAGE:
                     return True
         return False
@@ -391,9 +399,11 @@ class BlockManager:
             tokens = tuple(seq.token_ids[index * size:(index + 1) * size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             seq.block_hashes.append(block_hash(parent, self.extra_key, tokens))
+            before = seq.block_table[index - 1] if index else None
+            if before is not None and not self._real(before):
+                continue  # its parent dropped out of group 0's window: no chain to hang on
             self._register(seq.block_table[index], seq.block_hashes[-1], tokens,
-                           self._ref(seq.block_table[index - 1] if index else None),
-                           [table[index] for table in seq.group_tables])
+                           self._ref(before), [table[index] for table in seq.group_tables])
 
     def _register(self, block_id: int, hash_value: bytes, tokens: tuple[int, ...],
                   parent: BlockRef | None, pages: list[int]) -> None:

@@ -11,12 +11,15 @@ sliding group's drops the pages that fall out of its window (the block manager).
 sequence of T tokens holds ``ceil(T / block_size)`` pages per full group and at most a
 window's pages (``ceil(W / block_size) + 2``) per sliding group.
 
-Group 0 is always a full group: its table is the sequence's ``block_table``, which the
-prefix cache, copy-on-write and cascade attention key on; the other groups' pages of a
-logical block follow it. A window that never cuts into a context (``W >= max_model_len``)
-counts as full; a model with no full layer keeps every layer whole (its windows are
-attended, but not accounted: nothing keys the prefix cache on a table that drops pages).
-A model of one attention type has one group of all its layers: the pool of before.
+Group 0 is a full group where the model has full layers: its table is the sequence's
+``block_table``, which the prefix cache and cascade attention key on; the other groups'
+pages of a logical block follow it. In a model whose every layer slides (Mistral, Phi-3)
+group 0 slides too: its table drops pages like any sliding group's, the prefix cache
+still chains its blocks' hashes (a dropped block stays cached until evicted; a block whose
+parent was dropped before it filled is not cached), and a hit needs only its window's
+blocks. A window that never cuts into a context (``W >= max_model_len``) counts as full. A
+model of one attention type that never cuts has one group of all its layers: the pool of
+before.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class KVGroups:
     """The pool's KV groups.
 
     Attributes:
-        windows: per group, its sliding window W (None: full attention); group 0 is full.
+        windows: per group, its sliding window W (None: full attention); full groups
+            first.
         rows: layers per page (every group has as many rows; a group short of layers
             leaves its last rows unused).
         group_of: per layer, its group.
@@ -77,8 +81,6 @@ def kv_groups(windows: list[int | None], max_model_len: int) -> KVGroups:
     has (vLLM's choice: few tables per sequence, few unused rows), full groups first.
     """
     cutting = [w if w is not None and w < max_model_len else None for w in windows]
-    if None not in cutting:
-        cutting = [None] * len(windows)
     types: dict[int | None, list[int]] = {}
     for layer, window in sorted(enumerate(cutting), key=lambda lw: (lw[1] is not None,
                                                                      lw[1] or 0)):
