@@ -16,18 +16,23 @@ of autograd through the references (the gradient needs no bitwise match):
   aware training's straight-through estimator);
 - ``training_ops(kernels)``: a ``KernelOps`` of the engine's RMSNorms (Llama's and
   Gemma's), rotary and gated activations (SiLU and GELU-tanh), each with its backward
-  written out in float32, and a ``causal_attention``
-  that attends every sequence of a flat token stream to itself through the engine's own
-  attention over the stream's keys (no pool: the engine's attention gives a token the same
-  bits decoded or prefilled), backward through one padded SDPA call (masked to the layer's
-  sliding window where it has one), or, for a layer with attention sinks or a soft cap
-  (which SDPA cannot do), through the attention written out one sequence at a time, the
-  sinks' gradient included. The model's attention calls it instead of storing to and
-  reading from a pool. Where the engine's pool is FP8, the stream's K and V go
-  through it as the engine's do: stored by the engine's own ``store_kv`` with the engine's
-  scales (so rounded to the very bits the engine read) and attended from there; the
-  backward is straight through the rounding (the gradient of the dequantized K and V
-  passed to K and V, but where the clamp saturated).
+  written out in float32, and a ``causal_attention`` that attends every sequence of a
+  flat token stream through the engine's own attention over the stream's keys (no pool:
+  the stream is a pool of one-token blocks): each sequence to itself, or, given block
+  tables over the stream's rows, its queries (the last of its context, as a prefill chunk)
+  to the rows its table lists, a shared prefix's among them
+  (``rollout/worker/shared_prefix.py``); the engine's attention gives a token the same
+  bits decoded, prefilled whole or in chunks. Backward through SDPA over the sequences
+  padded in groups of like sizes (each sequence's keys gathered through its table, the
+  gradients of a row read by several added in float32; masked causally from each query's
+  position and to the layer's sliding window where it has one), or, for a layer with
+  attention sinks or a soft cap (which SDPA cannot do), through the attention written out
+  one sequence at a time, the sinks' gradient included. The model's attention calls it
+  instead of storing to and reading from a pool. Where the engine's pool is FP8, the
+  stream's K and V go through it as the engine's do: stored by the engine's own
+  ``store_kv`` with the engine's scales (so rounded to the very bits the engine read) and
+  attended from there; the backward is straight through the rounding (the gradient of the
+  dequantized K and V passed to K and V, but where the clamp saturated).
 """
 
 from __future__ import annotations
@@ -242,31 +247,29 @@ class _Rotary(Function):
 
 
 class _CausalAttention(Function):
+    """``kernels.paged_attention`` over the stream itself as a pool of one-token blocks
+    (row t of the stream is block t), each sequence reading its context through its block
+    table (``_with_tables``); the backward through ``_sdpa_reference`` or, with sinks or a
+    soft cap, ``_written_out_grads``."""
+
     @staticmethod
-    def forward(ctx, query, key, value, cu_seqlens, scale, kernels,  # noqa: D102
+    def forward(ctx, query, key, value, metadata, scale, kernels,  # noqa: D102
                 k_scale, v_scale, window, sinks, softcap):
-        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
-        width = int(lengths.max())
-        # The stream itself as a pool of one-token blocks: row t of each sequence's table is
-        # its t-th token (the kernels' arithmetic does not depend on the block size).
-        positions = torch.arange(width, device=key.device)
-        tables = (starts[:, None] + positions).clamp(max=key.shape[0] - 1)
-        metadata = AttentionMetadata(torch.empty(0, dtype=torch.long, device=key.device),
-                                     tables, lengths, cu_seqlens, num_decodes=0,
-                                     max_query_len=width)
+        # The kernels' arithmetic does not depend on the block size.
+        metadata = _with_tables(metadata, key.shape[0])
         k_pool, v_pool = key.contiguous().unsqueeze(1), value.contiguous().unsqueeze(1)
         if k_scale is not None:
             k_pool, v_pool = _through_fp8_pool(key, value, kernels.store_kv, k_scale, v_scale)
-        ctx.save_for_backward(query, key, value, cu_seqlens, k_pool, v_pool, sinks)
-        ctx.scale, ctx.scales, ctx.window, ctx.softcap = scale, (k_scale, v_scale), window, \
-            softcap
+        ctx.save_for_backward(query, key, value, k_pool, v_pool, sinks)
+        ctx.stream, ctx.scale, ctx.scales, ctx.window, ctx.softcap = metadata, scale, \
+            (k_scale, v_scale), window, softcap
         return kernels.paged_attention(query.contiguous(), k_pool, v_pool, metadata, scale,
                                        k_scale, v_scale, sliding_window=window, sinks=sinks,
                                        softcap=softcap)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        query, key, value, cu_seqlens, k_pool, v_pool, sinks = ctx.saved_tensors
+        query, key, value, k_pool, v_pool, sinks = ctx.saved_tensors
         k_scale, v_scale = ctx.scales
         attended = (key, value) if k_scale is None else (
             dequantize(k_pool[:, 0], k_scale).to(key.dtype),
@@ -275,16 +278,33 @@ class _CausalAttention(Function):
         if sinks is None and ctx.softcap is None:
             inputs = [t.detach().requires_grad_() for t in (query, *attended)]
             with torch.enable_grad():
-                out = _sdpa_reference(*inputs, cu_seqlens, ctx.scale, ctx.window)
+                out = _sdpa_reference(*inputs, ctx.stream, ctx.scale, ctx.window)
             grad_query, grad_key, grad_value = torch.autograd.grad(out, inputs, grad)
         else:
             grad_query, grad_key, grad_value, grad_sinks = _written_out_grads(
-                grad, query, *attended, sinks, cu_seqlens, ctx.scale, ctx.window, ctx.softcap)
+                grad, query, *attended, sinks, ctx.stream, ctx.scale, ctx.window,
+                ctx.softcap)
         if k_scale is not None:  # straight through the rounding, not the saturation
             grad_key = grad_key * _unsaturated(key, k_scale)
             grad_value = grad_value * _unsaturated(value, v_scale)
         return (grad_query, grad_key, grad_value, None, None, None, None, None, None,
                 grad_sinks, None)
+
+
+def _with_tables(metadata: AttentionMetadata, num_rows: int) -> AttentionMetadata:
+    """``metadata`` of a stream of ``num_rows`` tokens as the kernels read it: as given
+    when it has block tables (rows of the stream: a shared prefix's sequences, see
+    ``rollout/worker/shared_prefix.py``); without, each sequence attends its own query
+    rows (its table its rows, its context its queries)."""
+    if metadata.block_tables.numel():
+        return metadata
+    cu_seqlens = metadata.cu_seqlens_q
+    starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+    width = int(lengths.max())
+    tables = (starts[:, None] + torch.arange(width, device=starts.device)).clamp(
+        max=num_rows - 1)
+    return AttentionMetadata(torch.empty(0, dtype=torch.long, device=starts.device), tables,
+                             lengths, cu_seqlens, num_decodes=0, max_query_len=width)
 
 
 def _through_fp8_pool(key: torch.Tensor, value: torch.Tensor, store: Callable[..., None],
@@ -304,84 +324,149 @@ def _unsaturated(x: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
     return ((x.float() / kv_scale[:, None]).abs() <= FP8_MAX).to(x.dtype)
 
 
-def _sdpa_reference(query, key, value, cu_seqlens, scale, window):
-    """Each sequence's causal attention (within its last ``window`` positions where one is
-    given) through one SDPA call over the sequences padded at the end to the longest, its
-    KV heads grouped (GQA); back to the flat stream."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    seqs, width, group = len(lengths), int(lengths.max()), query.shape[1] // key.shape[1]
-    seq_of = torch.repeat_interleave(torch.arange(seqs, device=query.device), lengths)
-    # Token t's row in the padded [seqs * width] layout: index_copy / index_select, whose
-    # backwards are a gather and an index_add (an advanced index's is a sorting index_put).
-    flat = torch.arange(query.shape[0], device=query.device) + \
-        (seq_of * width - cu_seqlens[:-1][seq_of])
+class _Gather(Function):
+    """``x.index_select(0, rows)`` whose backward adds the gradients of repeated rows (a
+    shared prefix's keys, read by every sequence after it) in float32."""
 
-    def padded(x: torch.Tensor) -> torch.Tensor:  # [seqs, heads, width, head_dim]
-        rows = x.new_zeros(seqs * width, *x.shape[1:]).index_copy(0, flat, x)
-        return rows.view(seqs, width, *x.shape[1:]).transpose(1, 2)
+    @staticmethod
+    def forward(ctx, x, rows):  # noqa: D102
+        ctx.rows, ctx.shape = rows, x.shape
+        return x.index_select(0, rows)
 
-    # Causal alone: a real row (position < its length) attends keys 0..position, all real;
-    # the padded rows' outputs are dropped, so their gradients are zero (and no mask tensor
-    # keeps SDPA's causal path, which skips the blocks above the diagonal). A window that
-    # binds adds a mask of its own.
-    causal = window is None or window >= width
-    mask = None if causal else _window_mask(width, window, query.device)
-    out = F.scaled_dot_product_attention(padded(query), padded(key), padded(value),
-                                         attn_mask=mask, is_causal=causal, scale=scale,
-                                         enable_gqa=group > 1)
-    return out.transpose(1, 2).reshape(seqs * width, *query.shape[1:]).index_select(0, flat)
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        total = grad.new_zeros(ctx.shape, dtype=torch.float32)
+        return total.index_add_(0, ctx.rows, grad.float()).to(grad.dtype), None
 
 
-def _written_out_grads(grad, query, key, value, sinks, cu_seqlens, scale, window, softcap):
+def _sdpa_reference(query, key, value, metadata, scale, window):
+    """Each sequence's attention (its queries the last positions of its context, read
+    through its block table; within its last ``window`` positions where one is given) by
+    SDPA, the sequences of like sizes padded together (``_sizes``), its KV heads grouped
+    (GQA); the stream's rows in order."""
+    query_lens = metadata.cu_seqlens_q.diff()
+    rows, outs = [], []
+    for members in _sizes(query_lens, metadata.context_lens):
+        members = torch.tensor(members, device=query.device)
+        bucket_rows, out = _padded_attention(query, key, value, metadata, members, scale,
+                                             window)
+        rows.append(bucket_rows)
+        outs.append(out)
+    return query.new_zeros(query.shape).index_copy(0, torch.cat(rows), torch.cat(outs))
+
+
+def _sizes(query_lens: torch.Tensor, context_lens: torch.Tensor) -> list[list[int]]:
+    """The sequences grouped by size, so that padding a group to its longest wastes at
+    most half: by whether the queries are the whole context, and by the bit lengths of
+    their query and context lengths."""
+    groups: dict[tuple[bool, int, int], list[int]] = {}
+    for index, (queries, context) in enumerate(zip(query_lens.tolist(),
+                                                   context_lens.tolist())):
+        key = (queries == context, queries.bit_length(), context.bit_length())
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
+def _padded_attention(query, key, value, metadata, members, scale, window):
+    """The attention of sequences ``members`` through one SDPA call over them padded at
+    the end (queries and context) to the longest; the stream rows of their queries and
+    those rows' outputs."""
+    starts = metadata.cu_seqlens_q[members]
+    query_lens = metadata.cu_seqlens_q[members + 1] - starts
+    context_lens = metadata.context_lens[members]
+    width, depth = int(query_lens.max()), int(context_lens.max())
+    slots, keys = (torch.arange(n, device=query.device) for n in (width, depth))
+    real = slots < query_lens[:, None]
+    padding = query.shape[0]  # a row of zeros appended
+    query_rows = torch.where(real, starts[:, None] + slots, padding)
+    key_rows = torch.where(keys < context_lens[:, None], metadata.block_tables[members, :depth],
+                           padding)
+    positions = (context_lens - query_lens)[:, None] + slots
+    whole = bool((query_lens == context_lens).all())
+    # Whole sequences need the causal mask alone: a real query sees keys 0..position, all
+    # real, and a padded one's output is dropped (so its gradients are zero); no mask
+    # tensor keeps SDPA's causal path, which skips the blocks above the diagonal.
+    causal = whole and (window is None or window >= depth)
+    mask = None if causal else _visible(positions, depth, window) | \
+        (~real[..., None] & (keys == 0))  # a padded query sees one key: no NaN
+    out = F.scaled_dot_product_attention(
+        *(_padded(x, rows) for x, rows in ((query, query_rows), (key, key_rows),
+                                           (value, key_rows))),
+        attn_mask=None if mask is None else mask[:, None], is_causal=causal, scale=scale,
+        enable_gqa=query.shape[1] > key.shape[1])
+    kept = real.flatten().nonzero().squeeze(1)
+    out = out.transpose(1, 2).reshape(-1, *query.shape[1:]).index_select(0, kept)
+    return query_rows.flatten()[kept], out
+
+
+def _padded(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` ``[seqs, width]`` of ``x`` ``[tokens, heads, head_dim]`` (``tokens``:
+    a row of zeros) as ``[seqs, heads, width, head_dim]``."""
+    x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    picked = _Gather.apply(x, rows.flatten())
+    return picked.view(*rows.shape, *x.shape[1:]).transpose(1, 2)
+
+
+def _written_out_grads(grad, query, key, value, sinks, metadata, scale, window, softcap):
     """The gradients of ``query``, ``key``, ``value`` and ``sinks`` (None: none) through each
-    sequence's causal attention written out (``attention.softmax_attention``, in float32:
-    SDPA takes no sink and no soft cap), one sequence at a time, so that one sequence's
-    scores are held at once; the sinks' summed over the sequences."""
-    grads = [torch.zeros_like(t) for t in (query, key, value)]
+    sequence's attention written out (``attention.softmax_attention``, in float32: SDPA
+    takes no sink and no soft cap), one sequence at a time, so that one sequence's scores
+    are held at once; the keys' and values' read by several sequences, and the sinks',
+    summed over them."""
+    grad_query = torch.zeros_like(query)
+    grad_key, grad_value = (torch.zeros(t.shape, device=t.device) for t in (key, value))
     grad_sinks = None if sinks is None else torch.zeros(sinks.shape, device=sinks.device)
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        rows = [t[start:end].detach().requires_grad_() for t in (query, key, value)]
+    bounds = metadata.cu_seqlens_q.tolist()
+    for index, context in enumerate(metadata.context_lens.tolist()):
+        start, end = bounds[index], bounds[index + 1]
+        table = metadata.block_tables[index, :context]
+        rows = [query[start:end].detach().requires_grad_(),
+                *(t.index_select(0, table).detach().requires_grad_() for t in (key, value))]
         sink = None if sinks is None else sinks.detach().requires_grad_()
         with torch.enable_grad():
             out = _sequence_attention(*rows, sink, scale, window, softcap)
         found = torch.autograd.grad(out, rows if sink is None else [*rows, sink],
                                     grad[start:end])
-        for total, part in zip(grads, found):
-            total[start:end] = part
+        grad_query[start:end] = found[0]
+        grad_key.index_add_(0, table, found[1].float())
+        grad_value.index_add_(0, table, found[2].float())
         if sink is not None:
             grad_sinks += found[3]
-    return (*grads, None if sinks is None else grad_sinks.to(sinks.dtype))
+    return (grad_query, grad_key.to(key.dtype), grad_value.to(value.dtype),
+            None if sinks is None else grad_sinks.to(sinks.dtype))
 
 
 def _sequence_attention(query, key, value, sinks, scale, window, softcap):
-    """One sequence's causal attention ``[tokens, heads, head_dim]`` (within its last
-    ``window`` positions where one is given), its KV heads repeated for their query heads,
-    written out in float32 with ``sinks`` and ``softcap``; in ``query``'s dtype."""
+    """One sequence's attention of ``query`` ``[queries, heads, head_dim]`` (the last
+    positions of its context) over ``key``/``value`` ``[context, kv_heads, head_dim]``
+    (within its last ``window`` positions where one is given), its KV heads repeated for
+    their query heads, written out in float32 with ``sinks`` and ``softcap``; in
+    ``query``'s dtype."""
     group = query.shape[1] // key.shape[1]
     keys, values = (t.float().repeat_interleave(group, 1).transpose(0, 1) for t in (key, value))
-    mask = _window_mask(query.shape[0], window or query.shape[0], query.device)
+    positions = torch.arange(key.shape[0] - query.shape[0], key.shape[0], device=query.device)
+    mask = _visible(positions, key.shape[0], window)
     out = attention.softmax_attention(query.float().transpose(0, 1), keys, values, mask, scale,
                                       None if sinks is None else sinks.float(), softcap)
     return out.transpose(0, 1).to(query.dtype)
 
 
-def _window_mask(width: int, window: int, device: torch.device) -> torch.Tensor:
-    """``[width, width]``: True where query position q sees key position k, q - window < k
-    <= q."""
-    positions = torch.arange(width, device=device)
-    offset = positions[:, None] - positions[None, :]
-    return (offset >= 0) & (offset < window)
+def _visible(positions: torch.Tensor, depth: int, window: int | None) -> torch.Tensor:
+    """``[..., depth]``: True where the query at position ``positions[...]`` sees key
+    position k (of ``depth``): ``position - window < k <= position``."""
+    offset = positions[..., None] - torch.arange(depth, device=positions.device)
+    return (offset >= 0) & (offset < window) if window is not None else offset >= 0
 
 
 def training_ops(kernels: KernelOps) -> KernelOps:
     """The engine's kernels ``kernels`` (the compiled CPU ones, or the Triton ones with the
     batch-invariant attention) made differentiable for a trainer's forward pass: each runs
     forward as the engine runs it, its backward in torch; ``causal_attention`` attends each
-    sequence of the step's flat stream to its own keys through ``kernels.paged_attention``
-    (given an FP8 pool's scales, through an FP8 pool filled by ``kernels.store_kv``), within
-    the layer's ``sliding_window`` where it has one, with its ``sinks`` (differentiable: a
-    trained parameter) and ``softcap``.
+    sequence of the step's flat stream to its own keys, or to the stream rows its block
+    table lists (``metadata.block_tables``: a shared prefix's), through
+    ``kernels.paged_attention`` (given an FP8 pool's scales, through an FP8 pool filled by
+    ``kernels.store_kv``), within the layer's ``sliding_window`` where it has one, with its
+    ``sinks`` (differentiable: a trained parameter) and ``softcap``.
     """
     def rms_norm(x, weight, eps, residual=None):
         return _RMSNorm.apply(x, weight, residual, eps, kernels.rms_norm, False)
@@ -396,8 +481,8 @@ def training_ops(kernels: KernelOps) -> KernelOps:
     def causal_attention(query, key, value, metadata: AttentionMetadata, scale: float,
                          k_scale=None, v_scale=None, sliding_window=None, sinks=None,
                          softcap=None):
-        return _CausalAttention.apply(query, key, value, metadata.cu_seqlens_q, scale, kernels,
-                                      k_scale, v_scale, sliding_window, sinks, softcap)
+        return _CausalAttention.apply(query, key, value, metadata, scale, kernels, k_scale,
+                                      v_scale, sliding_window, sinks, softcap)
 
     def silu_and_mul(gate, up):
         return _SiluAndMul.apply(gate, up, kernels.silu_and_mul)

@@ -308,15 +308,16 @@ class LLMEngine(InputMethods):
                 "held_sequences": len(self.held),
             }
 
-    def exact_forward(self, model: torch.nn.Module,
-                      lora_runtime: bool = False) -> ExactForward | None:
+    def exact_forward(self, model: torch.nn.Module, lora_runtime: bool = False,
+                      shared_prefix: bool = True) -> ExactForward | None:
         """A forward pass of ``model`` (the trainer's copy of this engine's model) that gives
-        the log-probs this engine samples with, bit for bit (``ExactForward``); None when the
-        kernels are not batch-invariant (``exact_logprobs`` off) or split over ranks."""
+        the log-probs this engine samples with, bit for bit (``ExactForward``, each shared
+        prefix once with ``shared_prefix``); None when the kernels are not batch-invariant
+        (``exact_logprobs`` off) or split over ranks."""
         runner = self.runner
         if not runner.exact_logprobs or runner.tp.size > 1:
             return None
-        return ExactForward(model, runner.model, runner.ops, lora_runtime)
+        return ExactForward(model, runner.model, runner.ops, lora_runtime, shared_prefix)
 
     def weight_update(self, version: int | None = None, full: bool = True,
                       alias: bool = False, copy: bool = True) -> WeightUpdate:

@@ -138,14 +138,16 @@ class LLM:
         """The longest sequence (prompt plus completion) the engine takes."""
         return self.engine.max_model_len
 
-    def exact_forward(self, model: torch.nn.Module,
-                      lora_runtime: bool = False) -> ExactForward | None:
+    def exact_forward(self, model: torch.nn.Module, lora_runtime: bool = False,
+                      shared_prefix: bool = True) -> ExactForward | None:
         """A forward pass of ``model`` (the trainer's copy of this engine's model, maybe a
         peft one) that gives the log-probs this engine samples with, bit for bit
         (``exact_forward.py``); its adapter as this engine gets it, merged, or added at run
-        time with ``lora_runtime``. None when the engine's kernels are not batch-invariant
-        (``exact_logprobs`` off) or it is split over ranks."""
-        return self.engine.exact_forward(model, lora_runtime)
+        time with ``lora_runtime``; each row's prefix shared with the row before computed
+        once unless ``shared_prefix`` is False (the same bits). None when the engine's
+        kernels are not batch-invariant (``exact_logprobs`` off) or it is split over
+        ranks."""
+        return self.engine.exact_forward(model, lora_runtime, shared_prefix)
 
     @property
     def tensor_parallel(self) -> TensorParallel:

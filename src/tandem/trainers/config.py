@@ -256,6 +256,13 @@ class TrainConfig:
             on CPU in the trainer's dtype, without ``autocast``, ``sync_alias``, FSDP2 or
             tensor parallelism); true: refuse to start where it cannot; false: off (the
             trainer's forward through transformers).
+        shared_prefix: the exact forward computes each row's longest common prefix with
+            the row before (a group's prompt, a multi-turn group's earlier turns) once, and
+            micro-batches keep whole groups, packed by that cost (``rollout/worker/
+            shared_prefix.py``, ``micro_batches.py``): the same log-probs and loss bit for
+            bit, the gradients within float rounding. Needs the exact forward; without it
+            the run says why at start and computes every row whole. False: every row whole,
+            micro-batches of ``optim.micro_batch_size`` rows (the reference).
         distributed: ``"ddp"`` or ``"fsdp2"`` under torchrun.
         importance_sampling: the off-policy correction of the loss (both algorithms).
     """
@@ -277,6 +284,7 @@ class TrainConfig:
     eval_reward: str | None = None
     sync_alias: bool = False
     exact_logprobs: bool | None = None
+    shared_prefix: bool = True
     distributed: str = "ddp"
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

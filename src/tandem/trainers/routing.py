@@ -6,8 +6,9 @@ each MoE layer's top-k experts (``SamplingParams.return_routed_experts``).
 ``routing_rows`` lays them out as the trainer's padded batch (``token_batch``), -1 where a
 position has none (padding, a row's last token). ``routed_as`` wraps one forward pass:
 under transformers it hooks every router (``*TopKRouter``, which returns logits, weights
-and experts); under the engine's exact forward it sets the twin's experts
-(``FusedMoE.forced``). Either way it counts, per position and layer, whether the model's
+and experts); under the engine's exact forward it hands them to the twin
+(``ExactForward.routed``: its experts' ``FusedMoE.forced`` in the order of its stream, each
+shared prefix once). Either way it counts, per position and layer, whether the model's
 own top-k set equals the sampler's, and with ``replay`` it routes by the sampler's (each
 chosen expert weighted by the model's own probability of it, renormalised as the family
 does, so the router still learns; for GPT-OSS a softmax over the chosen experts' logits,
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.rollout.worker.models.moe import FusedMoE, replayed
+from tandem.rollout.worker.exact_forward import ExactForward
+from tandem.rollout.worker.models.moe import replayed
 
 # transformers' routers that take the top k of their logits, then a softmax over those k
 # (GPT-OSS's): replay weighs the sampler's experts the same way (``moe.replayed``)
@@ -74,9 +76,8 @@ def routed_as(model: nn.Module, routing: torch.Tensor | None, attention_mask: to
         yield
         return
     routing = routing.to(attention_mask.device)
-    twin = getattr(model, "twin", None)
-    if twin is not None:
-        with _twin_routed(twin, routing[attention_mask.bool()], replay, counts):
+    if isinstance(model, ExactForward):
+        with model.routed(routing, replay, counts.add):
             yield
         return
     flat = routing.flatten(0, 1)  # the routers see [B * T, hidden]
@@ -102,20 +103,3 @@ def _router_hook(sampler: torch.Tensor, replay: bool, counts: RoutingCounts):
                                   type(module).__name__ in TOPK_FIRST_ROUTERS)
         return logits, scores.to(weights.dtype), chosen
     return hook
-
-
-@contextmanager
-def _twin_routed(twin: nn.Module, flat: torch.Tensor, replay: bool,
-                 counts: RoutingCounts) -> Iterator[None]:
-    """The exact forward's twin: its experts set from ``flat`` ``[real tokens, layers, k]``
-    with ``replay``, and its own choices counted after the pass."""
-    layers = [m for m in twin.modules() if isinstance(m, FusedMoE)]
-    for index, layer in enumerate(layers):
-        layer.forced = flat[:, index] if replay else None
-    try:
-        yield
-        for index, layer in enumerate(layers):
-            counts.add(layer.own_routed, flat[:, index])
-    finally:
-        for layer in layers:
-            layer.forced = None

@@ -55,6 +55,7 @@ from .generation import (
 from .groups import Group, rollout_params
 from .logger import MetricsLogger
 from .losses import masked_mean
+from .micro_batches import group_slices, row_slices
 from .policy import Policy, TokenBatch, ValueHead, pad_rows, sampling_replay, token_batch
 from .rewards import WeightedReward, compute_rewards, resolve_reward
 from .routing import RoutingCounts, routing_rows
@@ -101,7 +102,10 @@ class Trainer:
         self.lora_sync = self._build_lora_sync()
         if config.exact_logprobs is not False and not exact_conflicts(config):
             self.policy.use_exact_forward(self.llm.exact_forward(
-                self.policy.model, config.lora.enabled and config.lora.sync_mode == "runtime"))
+                self.policy.model, config.lora.enabled and config.lora.sync_mode == "runtime",
+                config.shared_prefix))
+        if config.shared_prefix and self.policy.exact_forward is None and self.context.is_main:
+            tqdm.write(self._unshared_note())
         if config.moe.routing_replay and self.llm.routing_format is None:
             raise ValueError(f"moe.routing_replay: {config.model} has no experts to route; "
                              "set it false.")
@@ -194,6 +198,17 @@ class Trainer:
                    f" clip_max={correction.clip_max}) corrects the sampler's gap")
         return (f"rollout.quantization={self.config.rollout.quantization}: {how}; each step "
                 "logs sampler_logprob_diff_*, is_ratio_* and behaviour_kl_*.")
+
+    def _unshared_note(self) -> str:
+        """Why this run computes every row whole although ``shared_prefix`` is on: only
+        the exact forward shares prefixes, and it is off here."""
+        config = self.config
+        why = ", ".join(exact_conflicts(config)) or (
+            "exact_logprobs: false" if config.exact_logprobs is False else
+            "the engine's kernels are not batch-invariant (on CUDA: rollout.engine."
+            "exact_logprobs: true)")
+        return (f"shared_prefix: every row's prompt is computed whole: only the exact forward "
+                f"shares prefixes, and it is off ({why}); transformers' forward runs instead.")
 
     def _lr_factor(self, step: int) -> float:
         warmup = self.config.optim.warmup_steps
@@ -300,13 +315,13 @@ class Trainer:
                 batch.routed_experts, [len(ids) for ids in batch.prompt_ids],
                 tokens.input_ids.shape[1] - tokens.num_completion_slots,
                 tokens.input_ids.shape[1]).to(device)
+        slices = self._micro_batches(tokens, batch.group_ids)
         targets = self.algorithm.prepare(
             rewards.to(device), batch.group_ids.to(device), mask,
-            lambda values, reference: self._score(tokens, values, reference))
+            lambda values, reference: self._score(tokens, slices, values, reference))
         self.model.train()
         self.policy.routing_counts = RoutingCounts()  # the trained passes' own routing
         num_rows, num_tokens = len(batch.completion_ids), int(mask.sum())
-        slices = self._micro_batches(num_rows)
         losses, parts = [], []
         for index, rows in enumerate(slices):
             set_gradient_sync(self.model, index == len(slices) - 1)
@@ -325,21 +340,28 @@ class Trainer:
         return {"loss": float(torch.stack(losses).sum()), "grad_norm": grad_norm,
                 **combine_metrics(parts), **self.policy.routing_counts.metrics()}
 
-    def _micro_batches(self, num_rows: int) -> list[slice]:
-        size = self.config.optim.micro_batch_size
-        return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+    def _micro_batches(self, tokens: TokenBatch, group_ids: torch.Tensor) -> list[slice]:
+        """The step's micro-batches: whole groups packed by their cost where the forward
+        shares prefixes, else rows every ``optim.micro_batch_size``."""
+        size, exact = self.config.optim.micro_batch_size, self.policy.exact_forward
+        if exact is None or not exact.shared_prefix:
+            return row_slices(tokens.input_ids.shape[0], size)
+        return group_slices(tokens, group_ids, size)
 
     @torch.no_grad()
-    def _score(self, tokens: TokenBatch, with_values: bool, use_reference: bool
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _score(self, tokens: TokenBatch, slices: list[slice], with_values: bool,
+               use_reference: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and values) of every row without gradient, by the policy or the
-        reference (the policy with its adapter disabled, under LoRA)."""
+        reference (the policy with its adapter disabled, under LoRA), over ``slices`` (the
+        reference, through transformers, in rows every ``optim.micro_batch_size``)."""
         model = self.reference if use_reference and self.reference is not None else self.policy
         adapter_off = use_reference and self.reference is None
+        if model.exact_forward is None:
+            slices = row_slices(tokens.input_ids.shape[0], self.config.optim.micro_batch_size)
         logprobs, values, tokens = [], [], tokens.unmeasured()
         with self.policy.model.disable_adapter() if adapter_off else nullcontext(), \
                 self._autocast():
-            for rows in self._micro_batches(tokens.input_ids.shape[0]):
+            for rows in slices:
                 micro_logprobs, micro_values, _ = model(tokens.rows(rows),
                                                         self.config.rollout.temperature)
                 logprobs.append(micro_logprobs)

@@ -21,19 +21,29 @@ quantize the trainer's weights with the engine's function and multiply through t
 8-bit kernel (``training_quantized_linear``; the gradient passes straight through the
 rounding). A merged adapter is merged, as ``LoraSync`` merges it there, onto the base the
 engine serves (the base's quantized weight, dequantized), then quantized.
+
+Each shared prefix (a group's prompt, a multi-turn group's earlier turns: each row's longest
+common prefix with the row before) is computed once (``shared_prefix.py``): the rows after
+attend its stream rows as a prefill chunk attends a cached prefix, which the engine's
+kernels compute to the same bits (so the log-probs are the unshared forward's bit for
+bit), and the backward adds every row's gradient into it (the gradients the unshared ones
+within float rounding: their sum is rounded once, where the unshared backward rounds each
+row's part).
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from tandem.kernels import AttentionMetadata, KernelOps, quantization
+from tandem.kernels import KernelOps, quantization
 from tandem.kernels.differentiable import (
     training_linear,
     training_ops,
@@ -43,7 +53,9 @@ from tandem.sync.lora import LoraFactors
 
 from ..parallel.tensor_parallel import TensorParallel
 from .models import CausalLM, model_class
+from .models.moe import FusedMoE
 from .models.weight_spec import assemble
+from .shared_prefix import TokenStream, token_stream
 
 _LORA = re.compile(r"(.+)\.lora_([AB])\.[^.]+\.weight$")
 _PEFT_PREFIX = "base_model.model."
@@ -70,10 +82,12 @@ class ExactForward:
         engine_model: the engine's model (its family, config and rotary tables' size).
         kernels: the engine's kernels (batch-invariant: the compiled CPU ones, or Triton's).
         lora_runtime: the engine adds the adapter at run time (else it merges it).
+        shared_prefix: compute each row's longest common prefix with the row before once
+            (``shared_prefix.py``; the same bits); False: every row whole.
     """
 
     def __init__(self, model: nn.Module, engine_model: CausalLM, kernels: KernelOps,
-                 lora_runtime: bool = False) -> None:
+                 lora_runtime: bool = False, shared_prefix: bool = True) -> None:
         config, tables = engine_model.config, engine_model.rotary_emb.cos
         with torch.device("meta"):  # the engine's rotary tables, computed alike
             self.twin = model_class(config)(config, tables.shape[0], tables.device,
@@ -101,6 +115,8 @@ class ExactForward:
         self.head = parameters[id(self.twin.lm_head.weight)]  # the embedding's, when tied
         self.lora_layers = _lora_layers(model)
         self.lora_runtime = lora_runtime
+        self.shared_prefix = shared_prefix
+        self.routing: _Routing | None = None  # see routed
         self.twin_layers = dict(self.twin.named_modules())
         names = {name for name, _ in self.twin.named_parameters()}
         missing = names - set(self._tensors())
@@ -144,31 +160,76 @@ class ExactForward:
         return quantization.dequantize(*quantization.quantize(base, self.quantization),
                                        base.dtype)
 
+    @contextmanager
+    def routed(self, routing: torch.Tensor, replay: bool,
+               count: Callable[[torch.Tensor, torch.Tensor], None]) -> Iterator[None]:
+        """The calls inside route by the sampler's experts ``routing`` ``[B, T, layers, k]``
+        (per padded position, -1 where none): with ``replay`` each mixture-of-experts layer
+        of the twin takes them (``FusedMoE.forced``), and either way ``count(own,
+        sampler)`` gets each layer's own choices and the sampler's ``[real tokens, k]``
+        after each call, row by row as the unshared forward sees them. Rows share a
+        position only where their routing agrees too."""
+        self.routing = _Routing(routing, replay, count)
+        try:
+            yield
+        finally:
+            self.routing = None
+
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  position_ids: torch.Tensor, logits_to_keep: int,
                  output_hidden_states: bool = False, **_: object) -> ExactOutput:
         """The logits of each row's last ``logits_to_keep`` positions (zeros where a row's
         tokens end earlier), and the final hidden states there if asked."""
         real = attention_mask.bool()
-        lengths = real.sum(1)
-        cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
-        nothing = lengths.new_empty(0)  # no pool: no slots, no block tables
-        metadata = AttentionMetadata(nothing, nothing, lengths, cu_seqlens, num_decodes=0,
-                                     max_query_len=int(lengths.max()))
+        keys = torch.stack([input_ids, position_ids], -1)
+        if self.routing is not None:
+            keys = torch.cat([keys, self.routing.experts.to(keys).flatten(2)], -1)
+        stream = token_stream(keys, attention_mask, self.shared_prefix)
+        ids, positions = (t[real][stream.sources] for t in (input_ids, position_ids))
         tensors = self._tensors()
-        hidden = functional_call(self.twin, tensors, (input_ids[real], position_ids[real],
-                                                      metadata))
-        # Padded column j of row b is its position width - keep + j; the real ones map into
-        # the flat stream, the rest read a zero row.
-        width, first_real = input_ids.shape[1], real.int().argmax(1)
-        columns = torch.arange(width - logits_to_keep, width, device=input_ids.device)
-        flat = cu_seqlens[:-1, None] + columns - first_real[:, None]
-        inside = real.gather(1, columns.expand(len(real), -1))
+        with self._routed_as(stream, real):
+            hidden = functional_call(self.twin, tensors, (ids, positions, stream.metadata))
+        # Each kept stream row once through the LM head (its logits are the same in any
+        # batch); padding (-1) reads a zero row, appended.
+        places = stream.places[:, input_ids.shape[1] - logits_to_keep:]
+        rows, inverse = torch.unique(places % (len(hidden) + 1), return_inverse=True)
         padded = torch.cat([hidden, hidden.new_zeros(1, hidden.shape[1])])
-        kept = padded[torch.where(inside, flat, hidden.shape[0])]
-        logits = functional_call(self.twin.lm_head, {"weight": tensors[self.head]}, (kept,))
+        unique = padded.index_select(0, rows)
+        logits = functional_call(self.twin.lm_head, {"weight": tensors[self.head]}, (unique,))
         # soft-capped as the engine's compute_logits caps them (Gemma 2)
-        return ExactOutput(self.twin.soft_cap(logits), (kept,) if output_hidden_states else None)
+        logits = self.twin.soft_cap(logits)
+        kept = inverse.flatten()
+        logits = logits.index_select(0, kept).view(*places.shape, -1)
+        hidden_states = (unique.index_select(0, kept).view(*places.shape, -1),) \
+            if output_hidden_states else None
+        return ExactOutput(logits, hidden_states)
+
+    @contextmanager
+    def _routed_as(self, stream: TokenStream, real: torch.Tensor) -> Iterator[None]:
+        """The twin's experts for ``stream`` from ``self.routing`` (see ``routed``)."""
+        if self.routing is None:
+            yield
+            return
+        sampler = self.routing.experts.to(real.device)[real]  # [real tokens, layers, k]
+        layers = [m for m in self.twin.modules() if isinstance(m, FusedMoE)]
+        for index, layer in enumerate(layers):
+            layer.forced = sampler[stream.sources, index] if self.routing.replay else None
+        try:
+            yield
+            for index, layer in enumerate(layers):
+                self.routing.count(layer.own_routed[stream.places[real]], sampler[:, index])
+        finally:
+            for layer in layers:
+                layer.forced = None
+
+
+@dataclass(slots=True)
+class _Routing:
+    """The sampler's routing the next calls take (``ExactForward.routed``)."""
+
+    experts: torch.Tensor
+    replay: bool
+    count: Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def _runtime_factors(layer: nn.Module, lora_a: torch.Tensor, lora_b: torch.Tensor,
