@@ -187,13 +187,17 @@ class _RMSNorm(Function):
         return grad_x, grad_weight, grad_x if ctx.has_residual else None, None, None, None
 
 
-class _SiluAndMul(Function):
-    """``layers.silu_and_mul`` by ``kernel``; the backward in float32."""
+class _GatedActivation(Function):
+    """``act(gate) * up`` by ``kernel``, saving both inputs; a subclass gives the backward."""
 
     @staticmethod
     def forward(ctx, gate, up, kernel):  # noqa: D102
         ctx.save_for_backward(gate, up)
         return kernel(gate, up)
+
+
+class _SiluAndMul(_GatedActivation):
+    """``layers.silu_and_mul`` by ``kernel``; the backward in float32."""
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
@@ -205,15 +209,10 @@ class _SiluAndMul(Function):
             None
 
 
-class _GeluTanhAndMul(Function):
+class _GeluTanhAndMul(_GatedActivation):
     """``layers.gelu_tanh_and_mul`` by ``kernel``; the backward in float32: with u =
     sqrt(2/pi) (g + 0.044715 g^3), gelu = g s for s = (1 + tanh u) / 2, whose derivative is
     s + g (1 - tanh^2 u) u' / 2."""
-
-    @staticmethod
-    def forward(ctx, gate, up, kernel):  # noqa: D102
-        ctx.save_for_backward(gate, up)
-        return kernel(gate, up)
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
